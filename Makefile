@@ -1,0 +1,44 @@
+# Sluice — developer entry points. `make run` and `make test` work on a fresh machine.
+CARGO ?= cargo
+
+# Placeholder credentials for the demo config (conf/demo.yaml) and the bundled mock.
+# They are not secrets: the mock accepts any key.
+export SLUICE_ADMIN_TOKEN ?= demo-admin-token
+export DEMO_MOCK_KEY_1 ?= demo-key-1
+export DEMO_MOCK_KEY_2 ?= demo-key-2
+
+.PHONY: all build run test lint check bench fmt clean
+
+all: build
+
+build:
+	$(CARGO) build --release --bins
+
+## Start the mock upstream and the gateway on conf/demo.yaml (Ctrl-C stops both).
+run: build
+	./deploy/run-demo.sh
+
+## Unit, property and integration tests (integration tests spawn the real binaries).
+test:
+	$(CARGO) test --all-targets
+
+## Formatting and lints, warnings are errors.
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --all-targets -- -D warnings
+
+## Validate the shipped configs.
+check:
+	$(CARGO) run --quiet --bin sluice -- check --config conf/demo.yaml
+	SLUICE_KEY_TEAM_A=example OPENAI_KEY_1=example OPENAI_KEY_2=example ANTHROPIC_KEY=example \
+		$(CARGO) run --quiet --bin sluice -- check --config conf/sluice.yaml
+
+## Side-by-side benchmark: direct mock vs Sluice (vs nginx when installed).
+bench: build
+	./bench/run.sh
+
+fmt:
+	$(CARGO) fmt --all
+
+clean:
+	$(CARGO) clean

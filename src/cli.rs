@@ -1,0 +1,155 @@
+//! Command line: `sluice run --config FILE` and `sluice check --config FILE`.
+//!
+//! `check` prints every problem as `file: path: reason` and exits 1 when there is one;
+//! `run` refuses to start on an invalid config with the same list. Startup is the only
+//! place that reads the process environment (for `*_env` secrets).
+
+use crate::admin::AdminApp;
+use crate::config::{self, Loaded};
+use crate::engine::Engine;
+use crate::error::StartupError;
+use crate::metrics::Metrics;
+use crate::proxy::Gateway;
+use crate::server::listener::TcpAppService;
+use clap::{Parser, Subcommand};
+use pingora::server::configuration::ServerConf;
+use pingora::server::Server;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "sluice",
+    version,
+    about = "A resilient edge gateway for LLM APIs"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Serve: client listener + admin listener.
+    Run {
+        #[arg(long, short, default_value = "conf/sluice.yaml")]
+        config: PathBuf,
+    },
+    /// Validate the config and print every problem with its field path.
+    Check {
+        #[arg(long, short, default_value = "conf/sluice.yaml")]
+        config: PathBuf,
+    },
+}
+
+fn env_lookup(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+/// `sluice check`: returns the process exit code.
+pub fn check(path: &Path, out: &mut dyn Write) -> i32 {
+    match config::load_file(path, &env_lookup) {
+        Ok(Loaded { config, warnings }) => {
+            for w in &warnings {
+                let _ = writeln!(out, "warning: {w}");
+            }
+            let connections: usize = config.providers.iter().map(|p| p.connections.len()).sum();
+            let _ = writeln!(
+                out,
+                "{}: OK ({} providers, {} connections, {} models)",
+                path.display(),
+                config.providers.len(),
+                connections,
+                config.models.len()
+            );
+            0
+        }
+        Err(problems) => {
+            for p in &problems {
+                let _ = writeln!(out, "error: {p}");
+            }
+            let _ = writeln!(out, "{}: {} problem(s)", path.display(), problems.len());
+            1
+        }
+    }
+}
+
+/// `sluice run`: binds both listeners, prints `LISTENING <name> <addr>` for each, and
+/// serves until a signal stops the process.
+pub fn run(path: &Path) -> Result<(), StartupError> {
+    let Loaded { config, warnings } = config::load_file(path, &env_lookup).map_err(|problems| {
+        StartupError::Config(
+            problems
+                .iter()
+                .map(|p| format!("  {p}"))
+                .collect::<Vec<_>>()
+                .join("\n"),
+        )
+    })?;
+    for w in &warnings {
+        tracing::warn!("{w}");
+    }
+    let metrics = Metrics::new()?;
+    metrics
+        .config_reloads_total
+        .with_label_values(&["ok"])
+        .inc();
+    let threads = config.server.threads;
+    let listen = config.server.listen.clone();
+    let admin_listen = config.server.admin_listen.clone();
+    let engine = Engine::new(config, metrics);
+
+    let conf = Arc::new(server_conf(threads));
+    let proxy = pingora::proxy::http_proxy(&conf, Gateway::new(engine.clone()));
+    let (client_svc, client_addr) =
+        TcpAppService::bind("sluice-client", &listen, proxy, Some(threads)).map_err(|source| {
+            StartupError::Listen {
+                addr: listen.clone(),
+                source,
+            }
+        })?;
+    let (admin_svc, admin_addr) = TcpAppService::bind(
+        "sluice-admin",
+        &admin_listen,
+        AdminApp::new(engine),
+        Some(1),
+    )
+    .map_err(|source| StartupError::Listen {
+        addr: admin_listen.clone(),
+        source,
+    })?;
+    {
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "LISTENING client {client_addr}");
+        let _ = writeln!(out, "LISTENING admin {admin_addr}");
+        let _ = out.flush();
+    }
+    tracing::info!(%client_addr, %admin_addr, "sluice listening");
+    let mut server = Server::new_with_opt_and_conf(None, server_conf(threads));
+    server.bootstrap();
+    server.add_service(client_svc);
+    server.add_service(admin_svc);
+    server.run_forever()
+}
+
+/// Pingora's process settings: per-process pid/upgrade paths so several gateways (tests,
+/// benchmarks) can run side by side, and a short grace period on SIGTERM.
+fn server_conf(threads: usize) -> ServerConf {
+    let tmp = std::env::temp_dir();
+    let pid = std::process::id();
+    ServerConf {
+        threads,
+        grace_period_seconds: Some(5),
+        graceful_shutdown_timeout_seconds: Some(5),
+        pid_file: tmp
+            .join(format!("sluice-{pid}.pid"))
+            .to_string_lossy()
+            .into_owned(),
+        upgrade_sock: tmp
+            .join(format!("sluice-{pid}.sock"))
+            .to_string_lossy()
+            .into_owned(),
+        ..ServerConf::default()
+    }
+}

@@ -1,0 +1,294 @@
+//! The validated configuration: what the gateway actually runs on.
+//!
+//! Invariants established by `validate` (so no other module re-checks them): ids are
+//! unique and non-empty; every target names an existing provider (and connection, when
+//! pinned); every provider has at least one connection; durations and sizes are within
+//! their documented ranges; secrets are loaded and never printed (`Secret`'s `Debug`
+//! masks them).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// A credential loaded from an env var or a file. `Debug` never shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: String) -> Self {
+        Self(value)
+    }
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+/// The API family a provider speaks and a client route belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Family {
+    OpenAi,
+    Anthropic,
+}
+
+impl Family {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Family::OpenAi => "openai",
+            Family::Anthropic => "anthropic",
+        }
+    }
+}
+
+/// Provider class: picks the default thresholds of the resilience layers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ProviderClass {
+    ApiKey,
+    OAuth,
+    Local,
+}
+
+impl ProviderClass {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProviderClass::ApiKey => "apikey",
+            ProviderClass::OAuth => "oauth",
+            ProviderClass::Local => "local",
+        }
+    }
+}
+
+/// Target choice within a model (SPEC §5.12).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Strategy {
+    Priority,
+    Weighted,
+    RoundRobin,
+    Random,
+    CostOptimized,
+}
+
+impl Strategy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Strategy::Priority => "priority",
+            Strategy::Weighted => "weighted",
+            Strategy::RoundRobin => "round-robin",
+            Strategy::Random => "random",
+            Strategy::CostOptimized => "cost-optimized",
+        }
+    }
+}
+
+/// A parsed upstream base URL.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BaseUrl {
+    pub tls: bool,
+    pub host: String,
+    pub port: u16,
+    /// Path prefix without a trailing slash ("" for none); the client route is appended.
+    pub path_prefix: String,
+}
+
+impl BaseUrl {
+    /// `host` or `host:port` when the port is not the scheme's default (for `Host`).
+    pub fn authority(&self) -> String {
+        let default = if self.tls { 443 } else { 80 };
+        let host = if self.host.contains(':') {
+            format!("[{}]", self.host)
+        } else {
+            self.host.clone()
+        };
+        if self.port == default {
+            host
+        } else {
+            format!("{host}:{}", self.port)
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub listen: String,
+    pub admin_listen: String,
+    pub threads: usize,
+    pub max_body_bytes: usize,
+    pub max_attempts: usize,
+}
+
+#[derive(Clone, Debug)]
+pub struct AdminConfig {
+    pub token: Option<Secret>,
+    pub protect_metrics: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct Client {
+    pub id: String,
+    /// SHA-256 (lower-case hex) of the client key; the key itself is not kept.
+    pub key_sha256: String,
+    pub scopes: Vec<String>,
+    /// `provider/connection` ids; `None` = every connection.
+    pub allowed_connections: Option<Vec<String>>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Connection {
+    pub id: String,
+    pub key: Option<Secret>,
+    pub max_concurrent: Option<u32>,
+    pub model_concurrency: BTreeMap<String, u32>,
+    pub bucket: Option<String>,
+    pub retry_delay: Option<Duration>,
+    pub disable_cooling: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct Provider {
+    pub id: String,
+    pub base_url: BaseUrl,
+    pub api: Family,
+    pub class: ProviderClass,
+    pub retry_delay: Option<Duration>,
+    pub connect_timeout: Duration,
+    pub quota_family: Option<String>,
+    pub connections: Vec<Connection>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Target {
+    /// Index into `Config::providers`.
+    pub provider: usize,
+    pub model: String,
+    /// Index into that provider's connections when pinned.
+    pub connection: Option<usize>,
+    pub weight: u32,
+    pub cost: Option<f64>,
+    pub quota_family: Option<String>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Model {
+    pub name: String,
+    pub strategy: Strategy,
+    pub cooldown_wait: bool,
+    pub targets: Vec<Target>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct BreakerClass {
+    pub degrade_at: u32,
+    pub open_at: u32,
+    pub reset: Duration,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct WindowClass {
+    pub threshold: u32,
+    pub window: Duration,
+    pub cooldown: Duration,
+}
+
+/// A value per provider class.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PerClass<T> {
+    pub apikey: T,
+    pub oauth: T,
+    pub local: T,
+}
+
+impl<T> PerClass<T> {
+    pub fn get(&self, class: ProviderClass) -> &T {
+        match class {
+            ProviderClass::ApiKey => &self.apikey,
+            ProviderClass::OAuth => &self.oauth,
+            ProviderClass::Local => &self.local,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Resilience {
+    pub breaker: PerClass<BreakerClass>,
+    pub max_backoff_multiplier: u32,
+    pub provider_cooldown_enabled: bool,
+    pub provider_cooldown: PerClass<WindowClass>,
+    pub max_cooldown: Duration,
+    pub max_hint: Duration,
+    pub lock_threshold: Duration,
+    pub model_lockout: ModelLockout,
+    pub affinity_ttl: Duration,
+    pub queue: Queue,
+    pub combo_wait: ComboWait,
+    pub stream: StreamGuards,
+    pub watchdog: Watchdog,
+    pub stream_stall_cooldown: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct ModelLockout {
+    pub enabled: bool,
+    pub error_codes: Vec<u16>,
+    pub base_cooldown: Duration,
+    pub max_cooldown: Duration,
+    pub max_backoff_steps: u32,
+    pub exponential: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct Queue {
+    pub max_depth: u32,
+    pub wait: Duration,
+    pub execution_timeout: Duration,
+    pub fail_open: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct ComboWait {
+    pub enabled: bool,
+    pub max_wait: Duration,
+    pub max_attempts: u32,
+    pub budget: Duration,
+}
+
+#[derive(Clone, Debug)]
+pub struct StreamGuards {
+    pub ttft_timeout: Duration,
+    pub stall_timeout: Duration,
+}
+
+#[derive(Clone, Debug)]
+pub struct Watchdog {
+    pub enabled: bool,
+    pub warmup: Duration,
+    pub window: Duration,
+    pub min_bytes_per_sec: u32,
+}
+
+/// The whole validated configuration.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub source: PathBuf,
+    pub server: ServerConfig,
+    pub state_path: PathBuf,
+    pub rules_dir: PathBuf,
+    pub admin: AdminConfig,
+    /// `None` = open listener (development default, warned at startup).
+    pub clients: Option<Vec<Client>>,
+    pub providers: Vec<Provider>,
+    pub models: Vec<Model>,
+    pub resilience: Resilience,
+    pub emergency_fallback: Option<String>,
+}
+
+impl Config {
+    pub fn model(&self, name: &str) -> Option<&Model> {
+        self.models.iter().find(|m| m.name == name)
+    }
+}

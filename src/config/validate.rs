@@ -1,0 +1,1126 @@
+//! Raw YAML → validated `Config`, collecting *every* problem with its field path.
+//!
+//! Each section and each list item is deserialised on its own, so a typo in
+//! `providers[0]` does not hide a dangling reference in `models[3].targets[1]`. Secrets
+//! are resolved here (env vars through the `env` lookup passed in, files relative to the
+//! config file) and only their presence is ever reported, never their value.
+
+use super::raw::*;
+use super::types::*;
+use super::units::{parse_duration, parse_size};
+use serde::de::DeserializeOwned;
+use serde_yaml::{Mapping, Value};
+use sha2::{Digest, Sha256};
+use std::collections::HashSet;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// One problem (or warning) found in a config file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    pub file: String,
+    pub path: String,
+    pub reason: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() {
+            write!(f, "{}: {}", self.file, self.reason)
+        } else {
+            write!(f, "{}: {}: {}", self.file, self.path, self.reason)
+        }
+    }
+}
+
+/// A validated config plus the warnings an operator should read.
+#[derive(Debug)]
+pub struct Loaded {
+    pub config: Config,
+    pub warnings: Vec<Problem>,
+}
+
+/// Environment lookup, passed in so tests and reloads do not depend on process state.
+pub type EnvLookup<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+/// Reads and validates the config file at `path`.
+pub fn load_file(path: &Path, env: EnvLookup<'_>) -> Result<Loaded, Vec<Problem>> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        vec![Problem {
+            file: file.clone(),
+            path: String::new(),
+            reason: format!("cannot read file: {e}"),
+        }]
+    })?;
+    let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
+    parse_str(&text, &file, &base, env)
+}
+
+/// Validates config text. `base_dir` anchors relative `*_file` paths.
+pub fn parse_str(
+    text: &str,
+    file: &str,
+    base_dir: &Path,
+    env: EnvLookup<'_>,
+) -> Result<Loaded, Vec<Problem>> {
+    let mut v = Validator {
+        file: file.to_string(),
+        base_dir: base_dir.to_path_buf(),
+        env,
+        problems: Vec::new(),
+        warnings: Vec::new(),
+    };
+    let root: Value = match serde_yaml::from_str(text) {
+        Ok(Value::Null) => Value::Mapping(Mapping::new()),
+        Ok(v) => v,
+        Err(e) => {
+            v.err("", format!("not valid YAML: {e}"));
+            return Err(v.problems);
+        }
+    };
+    let Value::Mapping(root) = root else {
+        v.err("", "the top level must be a mapping of sections");
+        return Err(v.problems);
+    };
+    let config = v.config(&root, file);
+    match config {
+        Some(config) if v.problems.is_empty() => Ok(Loaded {
+            config,
+            warnings: v.warnings,
+        }),
+        _ => Err(v.problems),
+    }
+}
+
+struct Validator<'a> {
+    file: String,
+    base_dir: PathBuf,
+    env: EnvLookup<'a>,
+    problems: Vec<Problem>,
+    warnings: Vec<Problem>,
+}
+
+fn join(path: &str, key: &str) -> String {
+    if path.is_empty() {
+        key.to_string()
+    } else {
+        format!("{path}.{key}")
+    }
+}
+
+/// serde_yaml's messages end with a location that is relative to the item we fed it;
+/// strip it so the path we print is the only location.
+fn serde_reason(e: &serde_yaml::Error) -> String {
+    let s = e.to_string();
+    match s.find(" at line ") {
+        Some(i) => s[..i].to_string(),
+        None => s,
+    }
+}
+
+impl Validator<'_> {
+    fn err(&mut self, path: &str, reason: impl Into<String>) {
+        self.problems.push(Problem {
+            file: self.file.clone(),
+            path: path.to_string(),
+            reason: reason.into(),
+        });
+    }
+
+    fn warn(&mut self, path: &str, reason: impl Into<String>) {
+        self.warnings.push(Problem {
+            file: self.file.clone(),
+            path: path.to_string(),
+            reason: reason.into(),
+        });
+    }
+
+    fn section<T: DeserializeOwned + Default>(&mut self, root: &Mapping, key: &str) -> T {
+        self.section_at(root, key, key)
+    }
+
+    fn section_at<T: DeserializeOwned + Default>(
+        &mut self,
+        root: &Mapping,
+        key: &str,
+        path: &str,
+    ) -> T {
+        match root.get(key) {
+            None | Some(Value::Null) => T::default(),
+            Some(v) => self.item(v.clone(), path).unwrap_or_default(),
+        }
+    }
+
+    fn item<T: DeserializeOwned>(&mut self, value: Value, path: &str) -> Option<T> {
+        match serde_yaml::from_value(value) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                self.err(path, serde_reason(&e));
+                None
+            }
+        }
+    }
+
+    fn list(&mut self, root: &Mapping, key: &str) -> Vec<(String, Value)> {
+        match root.get(key) {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Sequence(items)) => items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| (format!("{key}[{i}]"), v.clone()))
+                .collect(),
+            Some(_) => {
+                self.err(key, "must be a list");
+                Vec::new()
+            }
+        }
+    }
+
+    fn duration(&mut self, path: &str, text: Option<&String>, default: Duration) -> Duration {
+        match text {
+            None => default,
+            Some(t) => match parse_duration(t) {
+                Ok(d) => d,
+                Err(e) => {
+                    self.err(path, e);
+                    default
+                }
+            },
+        }
+    }
+
+    fn bounded_duration(
+        &mut self,
+        path: &str,
+        text: Option<&String>,
+        default: Duration,
+        min: Duration,
+        max: Duration,
+    ) -> Duration {
+        let d = self.duration(path, text, default);
+        if d < min || d > max {
+            self.err(
+                path,
+                format!(
+                    "must be between {} and {}",
+                    humantime::format_duration(min),
+                    humantime::format_duration(max)
+                ),
+            );
+        }
+        d
+    }
+
+    fn secret_from(
+        &mut self,
+        path: &str,
+        env_key: Option<&String>,
+        file_key: Option<&String>,
+        env_field: &str,
+        file_field: &str,
+    ) -> Option<Secret> {
+        match (env_key, file_key) {
+            (Some(_), Some(_)) => {
+                self.err(
+                    path,
+                    format!("set only one of {env_field} and {file_field}"),
+                );
+                None
+            }
+            (Some(var), None) => match (self.env)(var) {
+                Some(v) if !v.trim().is_empty() => Some(Secret::new(v.trim().to_string())),
+                Some(_) => {
+                    self.err(
+                        &join(path, env_field),
+                        format!("environment variable {var} is empty"),
+                    );
+                    None
+                }
+                None => {
+                    self.err(
+                        &join(path, env_field),
+                        format!("environment variable {var} is not set"),
+                    );
+                    None
+                }
+            },
+            (None, Some(f)) => {
+                let p = self.base_dir.join(f);
+                match std::fs::read_to_string(&p) {
+                    Ok(v) if !v.trim().is_empty() => Some(Secret::new(v.trim().to_string())),
+                    Ok(_) => {
+                        self.err(
+                            &join(path, file_field),
+                            format!("file {} is empty", p.display()),
+                        );
+                        None
+                    }
+                    Err(e) => {
+                        self.err(
+                            &join(path, file_field),
+                            format!("cannot read {}: {e}", p.display()),
+                        );
+                        None
+                    }
+                }
+            }
+            (None, None) => None,
+        }
+    }
+
+    fn config(&mut self, root: &Mapping, file: &str) -> Option<Config> {
+        for key in root.keys() {
+            match key.as_str() {
+                Some(k) if TOP_LEVEL_KEYS.contains(&k) => {}
+                Some(k) => self.err(
+                    k,
+                    format!("unknown key; expected one of {}", TOP_LEVEL_KEYS.join(", ")),
+                ),
+                None => self.err("", "top-level keys must be strings"),
+            }
+        }
+        let server = self.server(root);
+        let state: RawState = self.section(root, "state");
+        let rules_dir = match root.get("rules_dir") {
+            None | Some(Value::Null) => PathBuf::from("./rules"),
+            Some(Value::String(s)) => PathBuf::from(s),
+            Some(_) => {
+                self.err("rules_dir", "must be a path string");
+                PathBuf::from("./rules")
+            }
+        };
+        let admin = self.admin(root);
+        let providers = self.providers(root);
+        let declared = declared_ids(root.get("providers"));
+        let clients = self.clients(root, &providers);
+        let models = self.models(root, &providers, &declared);
+        let resilience = self.resilience(root);
+        let emergency_fallback = match root.get("emergency_fallback") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => {
+                if !models.iter().any(|m| &m.name == s) {
+                    self.err("emergency_fallback", format!("unknown model {s:?}"));
+                }
+                self.warn(
+                    "emergency_fallback",
+                    "accepted but not enforced yet in this version",
+                );
+                Some(s.clone())
+            }
+            Some(_) => {
+                self.err("emergency_fallback", "must be a model name or null");
+                None
+            }
+        };
+        Some(Config {
+            source: PathBuf::from(file),
+            server,
+            state_path: PathBuf::from(state.path.unwrap_or_else(|| "./data/sluice.redb".into())),
+            rules_dir,
+            admin,
+            clients,
+            providers,
+            models,
+            resilience,
+            emergency_fallback,
+        })
+    }
+
+    fn server(&mut self, root: &Mapping) -> ServerConfig {
+        let raw: RawServer = self.section(root, "server");
+        let threads = raw.threads.unwrap_or(2);
+        if !(1..=256).contains(&threads) {
+            self.err("server.threads", "must be between 1 and 256");
+        }
+        let max_attempts = raw.max_attempts.unwrap_or(3);
+        if !(1..=20).contains(&max_attempts) {
+            self.err("server.max_attempts", "must be between 1 and 20");
+        }
+        let max_body_bytes = match raw.max_body_bytes {
+            None => 16 << 20,
+            Some(Value::Number(n)) => n.as_u64().unwrap_or(0),
+            Some(Value::String(s)) => match parse_size(&s) {
+                Ok(n) => n,
+                Err(e) => {
+                    self.err("server.max_body_bytes", e);
+                    16 << 20
+                }
+            },
+            Some(_) => {
+                self.err("server.max_body_bytes", "must be a size such as \"16MiB\"");
+                16 << 20
+            }
+        };
+        if !(1024..=(1u64 << 30)).contains(&max_body_bytes) {
+            self.err("server.max_body_bytes", "must be between 1KiB and 1GiB");
+        }
+        let listen = raw.listen.unwrap_or_else(|| "0.0.0.0:8080".into());
+        let admin_listen = raw.admin_listen.unwrap_or_else(|| "127.0.0.1:9090".into());
+        for (path, addr) in [
+            ("server.listen", &listen),
+            ("server.admin_listen", &admin_listen),
+        ] {
+            if addr.parse::<std::net::SocketAddr>().is_err() {
+                self.err(path, format!("{addr:?} is not an ip:port address"));
+            }
+        }
+        ServerConfig {
+            listen,
+            admin_listen,
+            threads,
+            max_body_bytes: max_body_bytes as usize,
+            max_attempts,
+        }
+    }
+
+    fn admin(&mut self, root: &Mapping) -> AdminConfig {
+        let raw: RawAdmin = self.section(root, "admin");
+        let token = self.secret_from(
+            "admin",
+            raw.token_env.as_ref(),
+            raw.token_file.as_ref(),
+            "token_env",
+            "token_file",
+        );
+        if token.is_none() && raw.token_env.is_none() && raw.token_file.is_none() {
+            self.warn(
+                "admin",
+                "no admin token configured: every /api/* admin call answers 401",
+            );
+        }
+        AdminConfig {
+            token,
+            protect_metrics: raw.protect_metrics,
+        }
+    }
+
+    fn providers(&mut self, root: &Mapping) -> Vec<Provider> {
+        let mut out = Vec::new();
+        let mut seen = HashSet::new();
+        for (path, value) in self.list(root, "providers") {
+            let Some(raw) = self.item::<RawProvider>(value, &path) else {
+                continue;
+            };
+            self.id_check(&join(&path, "id"), &raw.id, &mut seen);
+            let base_url = match parse_base_url(&raw.base_url) {
+                Ok(u) => u,
+                Err(e) => {
+                    self.err(&join(&path, "base_url"), e);
+                    continue;
+                }
+            };
+            let api = match raw.api.as_str() {
+                "openai" => Family::OpenAi,
+                "anthropic" => Family::Anthropic,
+                other => {
+                    self.err(
+                        &join(&path, "api"),
+                        format!("unknown api {other:?}; expected openai or anthropic"),
+                    );
+                    continue;
+                }
+            };
+            let class = match raw.class.as_deref().unwrap_or("apikey") {
+                "apikey" => ProviderClass::ApiKey,
+                "oauth" => ProviderClass::OAuth,
+                "local" => ProviderClass::Local,
+                other => {
+                    self.err(
+                        &join(&path, "class"),
+                        format!("unknown class {other:?}; expected apikey, oauth or local"),
+                    );
+                    ProviderClass::ApiKey
+                }
+            };
+            let retry_delay = raw
+                .retry_delay
+                .as_ref()
+                .map(|t| self.duration(&join(&path, "retry_delay"), Some(t), Duration::ZERO));
+            let connect_timeout = self.bounded_duration(
+                &join(&path, "connect_timeout"),
+                raw.connect_timeout.as_ref(),
+                Duration::from_secs(10),
+                Duration::from_millis(10),
+                Duration::from_secs(300),
+            );
+            let connections = self.connections(&path, raw.connections, class);
+            if connections.is_empty() {
+                self.err(
+                    &join(&path, "connections"),
+                    "a provider needs at least one connection",
+                );
+            }
+            out.push(Provider {
+                id: raw.id,
+                base_url,
+                api,
+                class,
+                retry_delay,
+                connect_timeout,
+                quota_family: raw.quota_family,
+                connections,
+            });
+        }
+        out
+    }
+
+    fn id_check(&mut self, path: &str, id: &str, seen: &mut HashSet<String>) {
+        if id.is_empty() {
+            self.err(path, "must not be empty");
+        } else if id.contains('/') || id.chars().any(char::is_whitespace) {
+            self.err(path, format!("{id:?} must not contain '/' or spaces"));
+        } else if !seen.insert(id.to_string()) {
+            self.err(path, format!("duplicate id {id:?}"));
+        }
+    }
+
+    fn connections(
+        &mut self,
+        ppath: &str,
+        items: Vec<Value>,
+        class: ProviderClass,
+    ) -> Vec<Connection> {
+        let mut out = Vec::new();
+        let mut seen = HashSet::new();
+        for (i, value) in items.into_iter().enumerate() {
+            let path = format!("{ppath}.connections[{i}]");
+            let Some(raw) = self.item::<RawConnection>(value, &path) else {
+                continue;
+            };
+            self.id_check(&join(&path, "id"), &raw.id, &mut seen);
+            let key = self.secret_from(
+                &path,
+                raw.api_key_env.as_ref(),
+                raw.api_key_file.as_ref(),
+                "api_key_env",
+                "api_key_file",
+            );
+            if raw.api_key_env.is_none()
+                && raw.api_key_file.is_none()
+                && class != ProviderClass::Local
+            {
+                self.warn(
+                    &path,
+                    "no api_key_env/api_key_file: requests go upstream without credentials",
+                );
+            }
+            if raw.max_concurrent == Some(0) {
+                self.err(&join(&path, "max_concurrent"), "must be at least 1");
+            }
+            for (m, n) in &raw.model_concurrency {
+                if *n == 0 {
+                    self.err(
+                        &format!("{path}.model_concurrency.{m}"),
+                        "must be at least 1",
+                    );
+                }
+            }
+            let retry_delay = raw
+                .retry_delay
+                .as_ref()
+                .map(|t| self.duration(&join(&path, "retry_delay"), Some(t), Duration::ZERO));
+            for (set, field) in [
+                (
+                    raw.max_concurrent.is_some() || !raw.model_concurrency.is_empty(),
+                    "max_concurrent/model_concurrency",
+                ),
+                (raw.bucket.is_some(), "bucket"),
+                (raw.retry_delay.is_some(), "retry_delay"),
+                (raw.disable_cooling, "disable_cooling"),
+            ] {
+                if set {
+                    self.warn(
+                        &join(&path, field),
+                        "accepted but not enforced yet in this version",
+                    );
+                }
+            }
+            out.push(Connection {
+                id: raw.id,
+                key,
+                max_concurrent: raw.max_concurrent,
+                model_concurrency: raw.model_concurrency,
+                bucket: raw.bucket,
+                retry_delay,
+                disable_cooling: raw.disable_cooling,
+            });
+        }
+        out
+    }
+
+    fn clients(&mut self, root: &Mapping, providers: &[Provider]) -> Option<Vec<Client>> {
+        if matches!(root.get("clients"), None | Some(Value::Null)) {
+            self.warn(
+                "clients",
+                "no clients section: the client listener is OPEN (any caller is served)",
+            );
+            return None;
+        }
+        let mut out = Vec::new();
+        let mut seen = HashSet::new();
+        let mut hashes = HashSet::new();
+        for (path, value) in self.list(root, "clients") {
+            let Some(raw) = self.item::<RawClient>(value, &path) else {
+                continue;
+            };
+            self.id_check(&join(&path, "id"), &raw.id, &mut seen);
+            let sources = [
+                raw.key_env.is_some(),
+                raw.key_file.is_some(),
+                raw.key_sha256.is_some(),
+            ]
+            .iter()
+            .filter(|b| **b)
+            .count();
+            if sources != 1 {
+                self.err(&path, "set exactly one of key_env, key_file and key_sha256");
+                continue;
+            }
+            let key_sha256 = if let Some(h) = &raw.key_sha256 {
+                let h = h.trim().to_ascii_lowercase();
+                if h.len() != 64 || !h.chars().all(|c| c.is_ascii_hexdigit()) {
+                    self.err(&join(&path, "key_sha256"), "must be 64 hex characters");
+                    continue;
+                }
+                h
+            } else {
+                match self.secret_from(
+                    &path,
+                    raw.key_env.as_ref(),
+                    raw.key_file.as_ref(),
+                    "key_env",
+                    "key_file",
+                ) {
+                    Some(s) => hex::encode(Sha256::digest(s.expose().as_bytes())),
+                    None => continue,
+                }
+            };
+            if !hashes.insert(key_sha256.clone()) {
+                self.err(&path, "two clients share the same key");
+            }
+            for (i, scope) in raw.scopes.iter().enumerate() {
+                if scope != "lease:exclusive" {
+                    self.err(
+                        &format!("{path}.scopes[{i}]"),
+                        format!("unknown scope {scope:?}; known: lease:exclusive"),
+                    );
+                }
+            }
+            if !raw.scopes.is_empty() {
+                self.warn(
+                    &join(&path, "scopes"),
+                    "leases are not enforced yet in this version",
+                );
+            }
+            if let Some(list) = &raw.allowed_connections {
+                for (i, c) in list.iter().enumerate() {
+                    if !connection_exists(providers, c) {
+                        self.err(
+                            &format!("{path}.allowed_connections[{i}]"),
+                            format!("unknown connection {c:?} (write provider/connection)"),
+                        );
+                    }
+                }
+            }
+            out.push(Client {
+                id: raw.id,
+                key_sha256,
+                scopes: raw.scopes,
+                allowed_connections: raw.allowed_connections,
+            });
+        }
+        Some(out)
+    }
+
+    /// `declared` holds every provider id written in the file, valid or not, so a target
+    /// of a provider that already failed validation is not reported a second time.
+    fn models(
+        &mut self,
+        root: &Mapping,
+        providers: &[Provider],
+        declared: &HashSet<String>,
+    ) -> Vec<Model> {
+        let mut out = Vec::new();
+        let mut seen = HashSet::new();
+        for (path, value) in self.list(root, "models") {
+            let Some(raw) = self.item::<RawModel>(value, &path) else {
+                continue;
+            };
+            if raw.name.is_empty() {
+                self.err(&join(&path, "name"), "must not be empty");
+            } else if !seen.insert(raw.name.clone()) {
+                self.err(
+                    &join(&path, "name"),
+                    format!("duplicate model name {:?}", raw.name),
+                );
+            }
+            let strategy = match raw.strategy.as_deref().unwrap_or("priority") {
+                "priority" => Strategy::Priority,
+                "weighted" => Strategy::Weighted,
+                "round-robin" => Strategy::RoundRobin,
+                "random" => Strategy::Random,
+                "cost-optimized" => Strategy::CostOptimized,
+                s @ ("least-used" | "p2c" | "fill-first" | "reset-aware") => {
+                    self.err(
+                        &join(&path, "strategy"),
+                        format!("strategy {s:?} is not supported yet in this version"),
+                    );
+                    Strategy::Priority
+                }
+                other => {
+                    self.err(
+                        &join(&path, "strategy"),
+                        format!("unknown strategy {other:?}; expected priority, weighted, round-robin, random or cost-optimized"),
+                    );
+                    Strategy::Priority
+                }
+            };
+            if let Some(w) = raw.p2c_latency_weight {
+                if !(0.0..=20.0).contains(&w) {
+                    self.err(
+                        &join(&path, "p2c_latency_weight"),
+                        "must be between 0 and 20",
+                    );
+                }
+            }
+            let mut targets = Vec::new();
+            for (i, tv) in raw.targets.into_iter().enumerate() {
+                let tpath = format!("{path}.targets[{i}]");
+                let Some(t) = self.item::<RawTarget>(tv, &tpath) else {
+                    continue;
+                };
+                let Some(pi) = providers.iter().position(|p| p.id == t.provider) else {
+                    if !declared.contains(&t.provider) {
+                        self.err(
+                            &join(&tpath, "provider"),
+                            format!("unknown provider {:?}", t.provider),
+                        );
+                    }
+                    continue;
+                };
+                let connection = match &t.connection {
+                    None => None,
+                    Some(c) => match providers[pi].connections.iter().position(|x| &x.id == c) {
+                        Some(ci) => Some(ci),
+                        None => {
+                            self.err(
+                                &join(&tpath, "connection"),
+                                format!("provider {:?} has no connection {c:?}", t.provider),
+                            );
+                            continue;
+                        }
+                    },
+                };
+                if t.model.is_empty() {
+                    self.err(&join(&tpath, "model"), "must not be empty");
+                }
+                let weight = t.weight.unwrap_or(1);
+                if !(1..=10_000).contains(&weight) {
+                    self.err(&join(&tpath, "weight"), "must be between 1 and 10000");
+                }
+                if let Some(c) = t.cost {
+                    if !(c.is_finite() && c >= 0.0) {
+                        self.err(&join(&tpath, "cost"), "must be a number ≥ 0");
+                    }
+                }
+                targets.push(Target {
+                    provider: pi,
+                    model: t.model,
+                    connection,
+                    weight,
+                    cost: t.cost,
+                    quota_family: t.quota_family,
+                });
+            }
+            if targets.is_empty() && !self.problems.iter().any(|p| p.path.starts_with(&path)) {
+                self.err(&join(&path, "targets"), "a model needs at least one target");
+            }
+            if strategy == Strategy::CostOptimized && targets.iter().any(|t| t.cost.is_none()) {
+                self.warn(
+                    &join(&path, "targets"),
+                    "cost-optimized: targets without cost are tried last",
+                );
+            }
+            out.push(Model {
+                name: raw.name,
+                strategy,
+                cooldown_wait: raw.cooldown_wait.unwrap_or(true),
+                targets,
+            });
+        }
+        out
+    }
+
+    fn resilience(&mut self, root: &Mapping) -> Resilience {
+        let map = match root.get("resilience") {
+            None | Some(Value::Null) => Mapping::new(),
+            Some(Value::Mapping(m)) => m.clone(),
+            Some(_) => {
+                self.err("resilience", "must be a mapping");
+                Mapping::new()
+            }
+        };
+        for key in map.keys() {
+            let k = key.as_str().unwrap_or("?");
+            if !RESILIENCE_KEYS.contains(&k) {
+                self.err(
+                    &format!("resilience.{k}"),
+                    format!(
+                        "unknown key; expected one of {}",
+                        RESILIENCE_KEYS.join(", ")
+                    ),
+                );
+            } else if !["stream", "queue"].contains(&k) {
+                self.warn(
+                    &format!("resilience.{k}"),
+                    "accepted but not enforced yet in this version",
+                );
+            }
+        }
+        let bm = sub_mapping(&map, "breaker");
+        let b: RawBreaker = self.section_at(&bm, "breaker", "resilience.breaker");
+        let breaker = PerClass {
+            apikey: self.breaker_class("resilience.breaker.apikey", b.apikey, (7, 12, 30)),
+            oauth: self.breaker_class("resilience.breaker.oauth", b.oauth, (5, 8, 60)),
+            local: self.breaker_class("resilience.breaker.local", b.local, (1, 2, 15)),
+        };
+        let max_backoff_multiplier = b.max_backoff_multiplier.unwrap_or(16);
+        if !(1..=1024).contains(&max_backoff_multiplier) {
+            self.err(
+                "resilience.breaker.max_backoff_multiplier",
+                "must be between 1 and 1024",
+            );
+        }
+        let pm = sub_mapping(&map, "provider_cooldown");
+        let pc: RawProviderCooldown =
+            self.section_at(&pm, "provider_cooldown", "resilience.provider_cooldown");
+        let env_pc = (self.env)("SLUICE_PROVIDER_COOLDOWN_ENABLED")
+            .map(|v| v == "1" || v.eq_ignore_ascii_case("true"));
+        let provider_cooldown = PerClass {
+            apikey: self.window_class(
+                "resilience.provider_cooldown.apikey",
+                pc.apikey,
+                (15, 1800, 600),
+            ),
+            oauth: self.window_class(
+                "resilience.provider_cooldown.oauth",
+                pc.oauth,
+                (10, 900, 300),
+            ),
+            local: self.window_class("resilience.provider_cooldown.local", pc.local, (2, 300, 60)),
+        };
+        let cm = sub_mapping(&map, "connection_cooldown");
+        let cc: RawConnectionCooldown =
+            self.section_at(&cm, "connection_cooldown", "resilience.connection_cooldown");
+        let day = Duration::from_secs(86_400);
+        let max_cooldown = self.bounded_duration(
+            "resilience.connection_cooldown.max_cooldown",
+            cc.max_cooldown.as_ref(),
+            Duration::from_secs(300),
+            Duration::from_secs(1),
+            day,
+        );
+        let max_hint = self.bounded_duration(
+            "resilience.connection_cooldown.max_hint",
+            cc.max_hint.as_ref(),
+            day,
+            Duration::from_secs(1),
+            day * 30,
+        );
+        let lock_threshold = self.bounded_duration(
+            "resilience.connection_cooldown.lock_threshold",
+            cc.lock_threshold.as_ref(),
+            Duration::from_secs(600),
+            Duration::from_secs(1),
+            day,
+        );
+        let mm = sub_mapping(&map, "model_lockout");
+        let ml: RawModelLockout = self.section_at(&mm, "model_lockout", "resilience.model_lockout");
+        let base_cooldown = self.bounded_duration(
+            "resilience.model_lockout.base_cooldown",
+            ml.base_cooldown.as_ref(),
+            Duration::from_secs(120),
+            Duration::from_secs(1),
+            day,
+        );
+        let ml_max = self.bounded_duration(
+            "resilience.model_lockout.max_cooldown",
+            ml.max_cooldown.as_ref(),
+            Duration::from_secs(1800),
+            Duration::from_secs(1),
+            day * 30,
+        );
+        if ml_max < base_cooldown {
+            self.err(
+                "resilience.model_lockout.max_cooldown",
+                "must be at least base_cooldown",
+            );
+        }
+        let am = sub_mapping(&map, "session_affinity");
+        let aff: RawAffinity =
+            self.section_at(&am, "session_affinity", "resilience.session_affinity");
+        let affinity_ttl = self.duration(
+            "resilience.session_affinity.ttl",
+            aff.ttl.as_ref(),
+            Duration::from_secs(1800),
+        );
+        let qm = sub_mapping(&map, "queue");
+        let q: RawQueue = self.section_at(&qm, "queue", "resilience.queue");
+        let max_depth = q.max_depth.unwrap_or(0);
+        if max_depth > 100_000 {
+            self.err("resilience.queue.max_depth", "must be between 0 and 100000");
+        }
+        if q.max_depth.is_some() || q.wait.is_some() || q.fail_open.is_some() {
+            self.warn(
+                "resilience.queue",
+                "only execution_timeout is enforced in this version",
+            );
+        }
+        let queue = Queue {
+            max_depth,
+            wait: self.bounded_duration(
+                "resilience.queue.wait",
+                q.wait.as_ref(),
+                Duration::from_secs(30),
+                Duration::ZERO,
+                day,
+            ),
+            execution_timeout: self.bounded_duration(
+                "resilience.queue.execution_timeout",
+                q.execution_timeout.as_ref(),
+                Duration::from_secs(600),
+                Duration::from_millis(1),
+                day,
+            ),
+            fail_open: q.fail_open.unwrap_or(true),
+        };
+        let wm = sub_mapping(&map, "combo_wait");
+        let cw: RawComboWait = self.section_at(&wm, "combo_wait", "resilience.combo_wait");
+        let combo_wait = ComboWait {
+            enabled: cw.enabled.unwrap_or(true),
+            max_wait: self.bounded_duration(
+                "resilience.combo_wait.max_wait",
+                cw.max_wait.as_ref(),
+                Duration::from_secs(60),
+                Duration::ZERO,
+                day,
+            ),
+            max_attempts: cw.max_attempts.unwrap_or(2),
+            budget: self.bounded_duration(
+                "resilience.combo_wait.budget",
+                cw.budget.as_ref(),
+                Duration::from_secs(90),
+                Duration::ZERO,
+                day,
+            ),
+        };
+        let sm = sub_mapping(&map, "stream");
+        let s: RawStream = self.section_at(&sm, "stream", "resilience.stream");
+        let stream = StreamGuards {
+            ttft_timeout: self.bounded_duration(
+                "resilience.stream.ttft_timeout",
+                s.ttft_timeout.as_ref(),
+                Duration::from_secs(60),
+                Duration::from_millis(1),
+                day,
+            ),
+            stall_timeout: self.bounded_duration(
+                "resilience.stream.stall_timeout",
+                s.stall_timeout.as_ref(),
+                Duration::from_secs(120),
+                Duration::from_millis(1),
+                day,
+            ),
+        };
+        let dm = sub_mapping(&map, "watchdog");
+        let w: RawWatchdog = self.section_at(&dm, "watchdog", "resilience.watchdog");
+        let env_wd = (self.env)("SLUICE_STREAM_THROUGHPUT_WATCHDOG")
+            .map(|v| v == "1" || v.eq_ignore_ascii_case("true"));
+        let watchdog = Watchdog {
+            enabled: w.enabled.or(env_wd).unwrap_or(false),
+            warmup: self.duration(
+                "resilience.watchdog.warmup",
+                w.warmup.as_ref(),
+                Duration::from_secs(15),
+            ),
+            window: self.bounded_duration(
+                "resilience.watchdog.window",
+                w.window.as_ref(),
+                Duration::from_secs(15),
+                Duration::from_secs(1),
+                day,
+            ),
+            min_bytes_per_sec: w.min_bytes_per_sec.unwrap_or(8),
+        };
+        let stream_stall_cooldown = match map.get("stream_stall_cooldown") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => {
+                self.err("resilience.stream_stall_cooldown", "must be true or false");
+                false
+            }
+        };
+        Resilience {
+            breaker,
+            max_backoff_multiplier,
+            provider_cooldown_enabled: pc.enabled.or(env_pc).unwrap_or(false),
+            provider_cooldown,
+            max_cooldown,
+            max_hint,
+            lock_threshold,
+            model_lockout: ModelLockout {
+                enabled: ml.enabled.unwrap_or(false),
+                error_codes: ml
+                    .error_codes
+                    .unwrap_or_else(|| vec![403, 404, 429, 502, 503, 504]),
+                base_cooldown,
+                max_cooldown: ml_max,
+                max_backoff_steps: ml.max_backoff_steps.unwrap_or(10),
+                exponential: ml.exponential.unwrap_or(true),
+            },
+            affinity_ttl,
+            queue,
+            combo_wait,
+            stream,
+            watchdog,
+            stream_stall_cooldown,
+        }
+    }
+
+    fn breaker_class(
+        &mut self,
+        path: &str,
+        raw: Option<RawBreakerClass>,
+        d: (u32, u32, u64),
+    ) -> BreakerClass {
+        let raw = raw.unwrap_or_default();
+        let degrade_at = raw.degrade_at.unwrap_or(d.0);
+        let open_at = raw.open_at.unwrap_or(d.1);
+        if degrade_at == 0 {
+            self.err(&join(path, "degrade_at"), "must be at least 1");
+        }
+        if open_at < degrade_at {
+            self.err(&join(path, "open_at"), "must be at least degrade_at");
+        }
+        let reset = self.bounded_duration(
+            &join(path, "reset"),
+            raw.reset.as_ref(),
+            Duration::from_secs(d.2),
+            Duration::from_secs(1),
+            Duration::from_secs(86_400),
+        );
+        BreakerClass {
+            degrade_at,
+            open_at,
+            reset,
+        }
+    }
+
+    fn window_class(
+        &mut self,
+        path: &str,
+        raw: Option<RawWindowClass>,
+        d: (u32, u64, u64),
+    ) -> WindowClass {
+        let raw = raw.unwrap_or_default();
+        let threshold = raw.threshold.unwrap_or(d.0);
+        if threshold == 0 {
+            self.err(&join(path, "threshold"), "must be at least 1");
+        }
+        WindowClass {
+            threshold,
+            window: self.duration(
+                &join(path, "window"),
+                raw.window.as_ref(),
+                Duration::from_secs(d.1),
+            ),
+            cooldown: self.duration(
+                &join(path, "cooldown"),
+                raw.cooldown.as_ref(),
+                Duration::from_secs(d.2),
+            ),
+        }
+    }
+}
+
+/// The `id` of every item of a list section, whether or not the item is valid.
+fn declared_ids(list: Option<&Value>) -> HashSet<String> {
+    let Some(Value::Sequence(items)) = list else {
+        return HashSet::new();
+    };
+    items
+        .iter()
+        .filter_map(|v| v.get("id").and_then(Value::as_str).map(str::to_string))
+        .collect()
+}
+
+fn connection_exists(providers: &[Provider], id: &str) -> bool {
+    let Some((p, c)) = id.split_once('/') else {
+        return false;
+    };
+    providers
+        .iter()
+        .any(|x| x.id == p && x.connections.iter().any(|y| y.id == c))
+}
+
+/// Parses `http(s)://host[:port][/prefix]`.
+pub fn parse_base_url(text: &str) -> Result<BaseUrl, String> {
+    let (tls, rest) = if let Some(r) = text.strip_prefix("https://") {
+        (true, r)
+    } else if let Some(r) = text.strip_prefix("http://") {
+        (false, r)
+    } else {
+        return Err(format!("{text:?} must start with http:// or https://"));
+    };
+    let (authority, path) = match rest.find('/') {
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, ""),
+    };
+    if path.contains('?') || path.contains('#') {
+        return Err(format!("{text:?} must not carry a query or fragment"));
+    }
+    let default_port = if tls { 443 } else { 80 };
+    let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
+        let Some((h, after)) = v6.split_once(']') else {
+            return Err(format!("{text:?} has an unclosed IPv6 bracket"));
+        };
+        let port = match after.strip_prefix(':') {
+            Some(p) => p
+                .parse()
+                .map_err(|_| format!("{text:?} has an invalid port"))?,
+            None if after.is_empty() => default_port,
+            None => return Err(format!("{text:?} is not a valid URL")),
+        };
+        (h.to_string(), port)
+    } else {
+        match authority.rsplit_once(':') {
+            Some((h, p)) => (
+                h.to_string(),
+                p.parse()
+                    .map_err(|_| format!("{text:?} has an invalid port"))?,
+            ),
+            None => (authority.to_string(), default_port),
+        }
+    };
+    if host.is_empty() || host.contains('@') {
+        return Err(format!("{text:?} has no valid host"));
+    }
+    Ok(BaseUrl {
+        tls,
+        host,
+        port,
+        path_prefix: path.trim_end_matches('/').to_string(),
+    })
+}
+
+/// A one-key mapping holding `map[key]`, so a resilience subsection can go through the
+/// same `section` parser (and error path) as a top-level one.
+fn sub_mapping(map: &Mapping, key: &str) -> Mapping {
+    let mut m = Mapping::new();
+    if let Some(val) = map.get(key) {
+        m.insert(Value::from(key), val.clone());
+    }
+    m
+}

@@ -1,0 +1,66 @@
+//! Boundary error types. Policies answer "no" with decision data, not with these.
+//!
+//! `ClientError` is the one shape every locally generated client-facing error takes
+//! before `proxy::respond` renders it in the route's API family (SPEC §4).
+
+use thiserror::Error;
+
+/// An error Sluice itself answers to a client (not an upstream error passed through).
+#[derive(Debug, Clone)]
+pub struct ClientError {
+    pub status: u16,
+    pub code: &'static str,
+    pub message: String,
+    /// Whole seconds, ≥ 1, sent as `Retry-After` and required on synthesised 429/503.
+    pub retry_after: Option<u64>,
+    /// Extra fields placed inside `error` (e.g. `diagnostics`).
+    pub extra: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+impl ClientError {
+    pub fn new(status: u16, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+            retry_after: None,
+            extra: None,
+        }
+    }
+
+    pub fn with_extra(mut self, key: &str, value: serde_json::Value) -> Self {
+        self.extra
+            .get_or_insert_with(serde_json::Map::new)
+            .insert(key.to_string(), value);
+        self
+    }
+
+    pub fn invalid_request(message: impl Into<String>) -> Self {
+        Self::new(400, "invalid_request", message)
+    }
+}
+
+/// Errors that stop the process from starting (reported by `main`, exit 1).
+#[derive(Debug, Error)]
+pub enum StartupError {
+    #[error("configuration is invalid:\n{0}")]
+    Config(String),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("metrics registry: {0}")]
+    Metrics(#[from] prometheus::Error),
+}
+
+impl StartupError {
+    /// Short, bounded label for logs and metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            StartupError::Config(_) => "config",
+            StartupError::Listen { .. } => "listen",
+            StartupError::Metrics(_) => "metrics",
+        }
+    }
+}

@@ -1,0 +1,558 @@
+//! The mock's HTTP application: routing, fault application and response writing.
+//!
+//! Life of an API request: header read → counted (route, credential) → `100 Continue`
+//! if asked → whole body read → remembered as "last request" → in flight (guard) → fault
+//! resolved (request header, else the process fault) → delays → error or success, whole
+//! or streamed. Control routes (`/__stats`, `/__fault`, `/__reset`) skip all counting and
+//! faults so tests can always observe and steer the mock.
+//!
+//! Invariants: a connection is handed back for keep-alive only after a response was
+//! written completely; every deliberate truncation (reset, stall) and every failed write
+//! drops the connection instead. A stream that loses its client mid-way (write failure,
+//! or the client closing while the mock waits between chunks or stalls) counts once in
+//! `streams_aborted`; one that writes its terminator counts once in `streams_completed`.
+
+use std::borrow::Cow;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use http::header::{self, HeaderValue};
+use http::Method;
+use pingora::apps::{HttpPersistentSettings, HttpServerApp, ReusedHttpStream};
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::protocols::http::ServerSession;
+use pingora::server::ShutdownWatch;
+use serde::Deserialize;
+
+use super::fault::{Fault, FaultSlot};
+use super::render::{self, Answer};
+use super::route::Route;
+use super::stats::Stats;
+
+/// Largest request body the mock accepts (413 above it); far beyond any test's needs.
+const MAX_BODY: usize = 256 * 1024 * 1024;
+/// Largest `/__fault` body.
+const MAX_CONTROL_BODY: usize = 1024 * 1024;
+/// How long a stalled stream holds its connection if the client never leaves.
+const STALL_LIMIT: Duration = Duration::from_secs(600);
+
+const JSON: &str = "application/json";
+const TEXT: &str = "text/plain; charset=utf-8";
+const SSE: &str = "text/event-stream";
+
+/// Static settings of one mock process.
+pub struct MockSettings {
+    pub name: String,
+    pub chunks: u32,
+    pub chunk_interval: Duration,
+}
+
+/// The mock upstream application.
+pub struct MockApp {
+    name: String,
+    name_header: HeaderValue,
+    /// `name` JSON-escaped without quotes, computed once for the render functions.
+    name_escaped: String,
+    chunks: u32,
+    chunk_interval: Duration,
+    stats: Stats,
+    fault: FaultSlot,
+    next_id: AtomicU64,
+}
+
+/// What to do with the connection once the handler returns.
+enum End {
+    Reuse,
+    Close,
+}
+
+/// The parts of a request body the mock reads; everything else is validated and skipped.
+#[derive(Deserialize, Default)]
+struct ApiRequest<'a> {
+    #[serde(borrow, default)]
+    model: Option<Cow<'a, str>>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    input: Option<serde_json::Value>,
+}
+
+enum BodyError {
+    TooLarge,
+    Io,
+}
+
+/// What a request line asks for.
+enum Target {
+    Api(Route),
+    Stats,
+    Fault,
+    Reset,
+    NotFound(String),
+}
+
+/// How a non-streamed answer is cut short by a fault.
+#[derive(Clone, Copy)]
+enum Cut {
+    Stall,
+    Reset,
+}
+
+impl MockApp {
+    /// Fails only when the name cannot be sent as a header value.
+    pub fn new(settings: MockSettings) -> Result<Self, String> {
+        let name_header = HeaderValue::from_str(&settings.name)
+            .map_err(|_| format!("mock name `{}` is not a valid header value", settings.name))?;
+        let quoted = serde_json::to_string(&settings.name).map_err(|e| e.to_string())?;
+        let name_escaped = quoted[1..quoted.len() - 1].to_string();
+        Ok(Self {
+            name: settings.name,
+            name_header,
+            name_escaped,
+            chunks: settings.chunks,
+            chunk_interval: settings.chunk_interval,
+            stats: Stats::default(),
+            fault: FaultSlot::default(),
+            next_id: AtomicU64::new(1),
+        })
+    }
+
+    /// Sets the process fault (the `--fault` flag).
+    pub fn set_fault(&self, fault: Fault) {
+        self.fault.set(fault);
+    }
+
+    async fn serve(&self, session: &mut ServerSession) -> End {
+        let req = session.req_header();
+        let path = req.uri.path();
+        let target = if let Some(route) = Route::from_request(&req.method, path) {
+            Target::Api(route)
+        } else if req.method == Method::GET && path == "/__stats" {
+            Target::Stats
+        } else if req.method == Method::POST && path == "/__fault" {
+            Target::Fault
+        } else if req.method == Method::POST && path == "/__reset" {
+            Target::Reset
+        } else {
+            Target::NotFound(format!("no route for {} {}", req.method, path))
+        };
+        match target {
+            Target::Api(route) => self.serve_api(session, route).await,
+            Target::Stats => {
+                let doc = self.stats.to_json(&self.name, self.fault.describe());
+                let body = serde_json::to_vec(&doc).unwrap_or_default();
+                self.write_whole(session, 200, JSON, Bytes::from(body), None)
+                    .await
+            }
+            Target::Fault => {
+                let body = match read_body(session, MAX_CONTROL_BODY).await {
+                    Ok(b) => b,
+                    Err(e) => return self.body_error(session, false, e).await,
+                };
+                let parsed = std::str::from_utf8(&body)
+                    .map_err(|_| "fault spec is not UTF-8".to_string())
+                    .and_then(Fault::parse);
+                match parsed {
+                    Ok(f) => {
+                        self.fault.set(f);
+                        self.ok(session).await
+                    }
+                    Err(msg) => self.error(session, false, 400, &msg, None).await,
+                }
+            }
+            Target::Reset => {
+                self.stats.reset();
+                self.ok(session).await
+            }
+            Target::NotFound(msg) => self.error(session, false, 404, &msg, None).await,
+        }
+    }
+
+    async fn ok(&self, session: &mut ServerSession) -> End {
+        let body = Bytes::from_static(br#"{"ok":true}"#);
+        self.write_whole(session, 200, JSON, body, None).await
+    }
+
+    async fn serve_api(&self, session: &mut ServerSession, route: Route) -> End {
+        self.stats
+            .count_request(route, credential(session.req_header()));
+        let body = match read_body(session, MAX_BODY).await {
+            Ok(b) => b,
+            Err(e) => return self.body_error(session, route.is_anthropic(), e).await,
+        };
+        self.stats
+            .record_last(body.clone(), session.req_header().headers.clone());
+        let _inflight = self.stats.enter();
+
+        let fault = match session.get_header("x-mock-fault") {
+            Some(v) => {
+                let parsed = v
+                    .to_str()
+                    .map_err(|_| "x-mock-fault is not valid text".to_string())
+                    .and_then(Fault::parse);
+                match parsed {
+                    Ok(f) => Some(Arc::new(f)),
+                    Err(msg) => {
+                        return self
+                            .error(session, route.is_anthropic(), 400, &msg, None)
+                            .await
+                    }
+                }
+            }
+            None => self.fault.take(),
+        };
+        let fault = fault.as_deref();
+
+        if fault.and_then(|f| f.reset_after) == Some(0) {
+            return End::Close;
+        }
+        if let Some(d) = fault.and_then(|f| f.latency) {
+            tokio::time::sleep(d).await;
+        }
+        if let Some(d) = fault.and_then(|f| f.first_byte_delay) {
+            tokio::time::sleep(d).await;
+        }
+        if let Some(f) = fault {
+            if let Some(status) = f.status {
+                let (ctype, body) = match &f.body {
+                    Some(b) => {
+                        let is_json = serde_json::from_str::<serde::de::IgnoredAny>(b).is_ok();
+                        (if is_json { JSON } else { TEXT }, Bytes::from(b.clone()))
+                    }
+                    None => {
+                        let msg = format!("mock {}: injected fault, status {status}", self.name);
+                        (JSON, render::error_body(route.is_anthropic(), status, &msg))
+                    }
+                };
+                return self.write_whole(session, status, ctype, body, fault).await;
+            }
+        }
+
+        let request = if route.has_body() {
+            match serde_json::from_slice::<ApiRequest<'_>>(&body) {
+                Ok(r) => r,
+                Err(e) => {
+                    let msg = format!("request body is not valid JSON: {e}");
+                    return self
+                        .error(session, route.is_anthropic(), 400, &msg, fault)
+                        .await;
+                }
+            }
+        } else {
+            ApiRequest::default()
+        };
+        let input_count = match &request.input {
+            Some(serde_json::Value::Array(items)) => {
+                let nested = items
+                    .iter()
+                    .filter(|v| v.is_string() || v.is_array())
+                    .count();
+                if nested == 0 {
+                    1
+                } else {
+                    nested
+                }
+            }
+            _ => 1,
+        };
+        let answer = Answer {
+            name: &self.name_escaped,
+            model: request.model.as_deref().unwrap_or("mock-model"),
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            chunks: fault.and_then(|f| f.chunks).unwrap_or(self.chunks),
+            prompt_tokens: (body.len() as u64 / 4).max(1),
+        };
+        if route.can_stream() && request.stream == Some(true) {
+            let interval = fault
+                .and_then(|f| f.chunk_interval)
+                .unwrap_or(self.chunk_interval);
+            self.stream(session, route, &answer, interval, fault).await
+        } else {
+            let out = render::full_body(route, &answer, &body, input_count);
+            self.write_whole(session, 200, JSON, out, fault).await
+        }
+    }
+
+    /// A response header with the headers every answer carries plus the fault's extras.
+    fn header(&self, status: u16, ctype: &str, fault: Option<&Fault>) -> Option<ResponseHeader> {
+        let extra = fault.map_or(0, |f| f.headers.len() + 1);
+        let mut h = ResponseHeader::build(status, Some(4 + extra)).ok()?;
+        h.insert_header(header::CONTENT_TYPE, ctype).ok()?;
+        h.insert_header("x-mock-name", self.name_header.clone())
+            .ok()?;
+        if let Some(f) = fault {
+            if let Some(r) = &f.retry_after {
+                h.insert_header(header::RETRY_AFTER, r.clone()).ok()?;
+            }
+            for (n, v) in &f.headers {
+                h.append_header(n.clone(), v.clone()).ok()?;
+            }
+        }
+        Some(h)
+    }
+
+    async fn error(
+        &self,
+        session: &mut ServerSession,
+        anthropic: bool,
+        status: u16,
+        msg: &str,
+        fault: Option<&Fault>,
+    ) -> End {
+        let body = render::error_body(anthropic, status, msg);
+        self.write_whole(session, status, JSON, body, fault).await
+    }
+
+    async fn body_error(&self, session: &mut ServerSession, anthropic: bool, e: BodyError) -> End {
+        match e {
+            BodyError::Io => End::Close,
+            BodyError::TooLarge => {
+                // The rest of the body is unread, so the connection cannot be reused.
+                session.set_keepalive(None);
+                let _ = self
+                    .error(session, anthropic, 413, "request body too large", None)
+                    .await;
+                End::Close
+            }
+        }
+    }
+
+    /// Writes a complete (non-streamed) answer, or its first half when a stall/reset
+    /// fault asks for a truncated one.
+    async fn write_whole(
+        &self,
+        session: &mut ServerSession,
+        status: u16,
+        ctype: &str,
+        body: Bytes,
+        fault: Option<&Fault>,
+    ) -> End {
+        let cut = fault.and_then(|f| {
+            f.stall_after
+                .map(|n| (Cut::Stall, n))
+                .or(f.reset_after.map(|n| (Cut::Reset, n)))
+        });
+        let Some(mut h) = self.header(status, ctype, fault) else {
+            return End::Close;
+        };
+        let framing = match cut {
+            // Chunked so the partial body is flushed to the client right away.
+            Some(_) => h.insert_header(header::TRANSFER_ENCODING, "chunked"),
+            None => h.insert_header(header::CONTENT_LENGTH, body.len()),
+        };
+        if framing.is_err() || session.write_response_header(Box::new(h)).await.is_err() {
+            return End::Close;
+        }
+        match cut {
+            None => match session.write_response_body(body, true).await {
+                Ok(()) => End::Reuse,
+                Err(_) => End::Close,
+            },
+            Some((kind, n)) => {
+                if n > 0 {
+                    let half = body.slice(..body.len() / 2);
+                    if session.write_response_body(half, false).await.is_err() {
+                        return End::Close;
+                    }
+                }
+                match kind {
+                    Cut::Stall => self.stall(session).await,
+                    Cut::Reset => End::Close,
+                }
+            }
+        }
+    }
+
+    async fn stream(
+        &self,
+        session: &mut ServerSession,
+        route: Route,
+        a: &Answer<'_>,
+        interval: Duration,
+        fault: Option<&Fault>,
+    ) -> End {
+        let Some(mut h) = self.header(200, SSE, fault) else {
+            return End::Close;
+        };
+        let framed = h.insert_header(header::CACHE_CONTROL, "no-cache").is_ok()
+            && h.insert_header(header::TRANSFER_ENCODING, "chunked")
+                .is_ok();
+        if !framed {
+            return End::Close;
+        }
+        if session.write_response_header(Box::new(h)).await.is_err() {
+            return self.aborted();
+        }
+        for ev in render::stream_open(route, a) {
+            if session.write_response_body(ev, false).await.is_err() {
+                return self.aborted();
+            }
+        }
+        let stall_after = fault.and_then(|f| f.stall_after);
+        let reset_after = fault.and_then(|f| f.reset_after);
+        for i in 0..=a.chunks {
+            if stall_after == Some(i) {
+                return self.stall(session).await;
+            }
+            if reset_after == Some(i) {
+                return End::Close;
+            }
+            if i == a.chunks {
+                break;
+            }
+            if i > 0 && !interval.is_zero() && !pause(session, interval).await {
+                return self.aborted();
+            }
+            let ev = render::stream_chunk(route, a, i);
+            if session.write_response_body(ev, false).await.is_err() {
+                return self.aborted();
+            }
+            self.stats.chunk_sent();
+        }
+        for ev in render::stream_close(route, a) {
+            if session.write_response_body(ev, false).await.is_err() {
+                return self.aborted();
+            }
+        }
+        if session
+            .write_response_body(Bytes::new(), true)
+            .await
+            .is_err()
+        {
+            return self.aborted();
+        }
+        self.stats.stream_completed();
+        End::Reuse
+    }
+
+    fn aborted(&self) -> End {
+        self.stats.stream_aborted();
+        End::Close
+    }
+
+    /// Holds the connection without writing until the client leaves (counted as an
+    /// aborted stream) or the stall limit passes.
+    async fn stall(&self, session: &mut ServerSession) -> End {
+        tokio::select! {
+            _ = tokio::time::sleep(STALL_LIMIT) => {}
+            _ = session.read_body_or_idle(true) => self.stats.stream_aborted(),
+        }
+        End::Close
+    }
+}
+
+/// Sleeps `d` unless the client goes away first; false means it went away.
+async fn pause(session: &mut ServerSession, d: Duration) -> bool {
+    tokio::select! {
+        _ = tokio::time::sleep(d) => true,
+        // With the body fully read, this only returns when the client closes (or sends
+        // bytes it should not), both of which end this exchange.
+        _ = session.read_body_or_idle(true) => false,
+    }
+}
+
+/// The caller's credential: a Bearer token, another Authorization value, or x-api-key.
+fn credential(req: &RequestHeader) -> Option<&str> {
+    if let Some(v) = req
+        .headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    {
+        let v = v.trim();
+        return Some(match v.get(..7) {
+            Some(p) if p.eq_ignore_ascii_case("bearer ") => v[7..].trim(),
+            _ => v,
+        });
+    }
+    req.headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+}
+
+/// Reads the whole request body, answering `Expect: 100-continue` first. A body that
+/// arrives in one piece is returned without copying.
+async fn read_body(session: &mut ServerSession, limit: usize) -> Result<Bytes, BodyError> {
+    let expects_continue = session
+        .get_header(header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    if expects_continue && session.write_continue_response().await.is_err() {
+        return Err(BodyError::Io);
+    }
+    let mut first: Option<Bytes> = None;
+    let mut joined: Option<BytesMut> = None;
+    let mut len = 0usize;
+    loop {
+        let chunk = match session.read_request_body().await {
+            Ok(Some(c)) => c,
+            Ok(None) => break,
+            Err(_) => return Err(BodyError::Io),
+        };
+        len += chunk.len();
+        if len > limit {
+            return Err(BodyError::TooLarge);
+        }
+        match (&mut first, &mut joined) {
+            (None, None) => first = Some(chunk),
+            (Some(f), None) => {
+                let mut buf = BytesMut::with_capacity((f.len() + chunk.len()) * 2);
+                buf.extend_from_slice(f);
+                buf.extend_from_slice(&chunk);
+                first = None;
+                joined = Some(buf);
+            }
+            (_, Some(buf)) => buf.extend_from_slice(&chunk),
+        }
+    }
+    Ok(match (first, joined) {
+        (_, Some(buf)) => buf.freeze(),
+        (Some(f), None) => f,
+        (None, None) => Bytes::new(),
+    })
+}
+
+#[async_trait]
+impl HttpServerApp for MockApp {
+    async fn process_new_http(
+        self: &Arc<Self>,
+        mut session: ServerSession,
+        shutdown: &ShutdownWatch,
+    ) -> Option<ReusedHttpStream> {
+        match session.read_request().await {
+            Ok(true) => {}
+            _ => return None,
+        }
+        session.set_keepalive(if *shutdown.borrow() { None } else { Some(60) });
+        match self.serve(&mut session).await {
+            End::Close => None,
+            End::Reuse => {
+                let settings = HttpPersistentSettings::for_session(&session);
+                match session.finish().await {
+                    Ok(Some(s)) => Some(ReusedHttpStream::from_reusable_stream(s, settings)),
+                    _ => None,
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credential_prefers_bearer_then_api_key() {
+        let mut r = RequestHeader::build("POST", b"/v1/messages", None).unwrap();
+        assert_eq!(credential(&r), None);
+        r.insert_header("x-api-key", "ak").unwrap();
+        assert_eq!(credential(&r), Some("ak"));
+        r.insert_header("authorization", "bearer  tok ").unwrap();
+        assert_eq!(credential(&r), Some("tok"));
+    }
+}

@@ -1,0 +1,349 @@
+//! The mock's fault-injection spec: parsing and the process-wide fault slot.
+//!
+//! One grammar serves the `--fault` flag, the `x-mock-fault` request header and the body
+//! of `POST /__fault`: `key=value` pairs separated by `;`, every key optional. A value may
+//! contain a literal `;` written as `\;` (and a literal backslash as `\\`), which is what
+//! lets a JSON error body carry semicolons. Parsing is total: any unknown key, repeated
+//! scalar key or malformed value is an error with a message naming the offending part,
+//! never a silently ignored fault.
+//!
+//! The slot holds the process fault with its optional `times` budget. Taking a fault
+//! decrements the budget under one short lock so that exactly `times` requests see it,
+//! however many race for it; an atomic flag keeps the fault-free hot path lock-free.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use http::header::{HeaderName, HeaderValue};
+
+/// A parsed fault. `Default` is "no fault".
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Fault {
+    /// Answer with this status instead of the normal success.
+    pub status: Option<u16>,
+    /// Verbatim error body; `None` means the route family's default error shape.
+    pub body: Option<String>,
+    /// Verbatim `Retry-After` value.
+    pub retry_after: Option<HeaderValue>,
+    /// Extra response headers, in the order given.
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+    /// Sleep after the request body was read.
+    pub latency: Option<Duration>,
+    /// Extra sleep right before the response header is written.
+    pub first_byte_delay: Option<Duration>,
+    /// Stream shape override: number of content chunks.
+    pub chunks: Option<u32>,
+    /// Stream shape override: pause between content chunks.
+    pub chunk_interval: Option<Duration>,
+    /// Stop writing (but keep the connection) after this many content chunks.
+    pub stall_after: Option<u32>,
+    /// Close the connection after this many content chunks; 0 = before any header.
+    pub reset_after: Option<u32>,
+    /// Budget for the process fault: it clears itself after this many requests.
+    pub times: Option<u64>,
+}
+
+impl Fault {
+    /// Parses a spec; an empty (or all-whitespace) spec is the empty fault.
+    pub fn parse(spec: &str) -> Result<Fault, String> {
+        let mut fault = Fault::default();
+        for part in split_unescaped(spec) {
+            let part = part.trim();
+            if part.is_empty() {
+                continue;
+            }
+            let Some((key, value)) = part.split_once('=') else {
+                return Err(format!("fault spec: expected key=value, got `{part}`"));
+            };
+            fault.apply(key.trim(), value.trim())?;
+        }
+        Ok(fault)
+    }
+
+    /// True when the spec changes nothing about the answer.
+    pub fn is_empty(&self) -> bool {
+        Fault {
+            times: None,
+            ..self.clone()
+        } == Fault::default()
+    }
+
+    fn apply(&mut self, key: &str, value: &str) -> Result<(), String> {
+        match key {
+            "status" => {
+                let code: u16 = value
+                    .parse()
+                    .map_err(|_| format!("fault spec: status `{value}` is not a number"))?;
+                if !(200..=599).contains(&code) {
+                    return Err(format!("fault spec: status {code} is outside 200..=599"));
+                }
+                set_once(&mut self.status, key, code)
+            }
+            "body" => set_once(&mut self.body, key, value.to_string()),
+            "retry_after" => {
+                let v = HeaderValue::from_str(value)
+                    .map_err(|_| format!("fault spec: retry_after `{value}` is not a valid header value"))?;
+                set_once(&mut self.retry_after, key, v)
+            }
+            "header" => {
+                let Some((name, val)) = value.split_once(':') else {
+                    return Err(format!("fault spec: header `{value}` must be Name:Value"));
+                };
+                let name = HeaderName::from_bytes(name.trim().as_bytes())
+                    .map_err(|_| format!("fault spec: `{}` is not a valid header name", name.trim()))?;
+                let val = HeaderValue::from_str(val.trim())
+                    .map_err(|_| format!("fault spec: `{}` is not a valid header value", val.trim()))?;
+                self.headers.push((name, val));
+                Ok(())
+            }
+            "latency" => set_once(&mut self.latency, key, duration(key, value)?),
+            "first_byte_delay" => set_once(&mut self.first_byte_delay, key, duration(key, value)?),
+            "chunks" => set_once(&mut self.chunks, key, number(key, value)?),
+            "chunk_interval" => set_once(&mut self.chunk_interval, key, duration(key, value)?),
+            "stall_after" => set_once(&mut self.stall_after, key, number(key, value)?),
+            "reset_after" => set_once(&mut self.reset_after, key, number(key, value)?),
+            "times" => {
+                let n: u64 = number(key, value)?;
+                if n == 0 {
+                    return Err("fault spec: times must be at least 1".to_string());
+                }
+                set_once(&mut self.times, key, n)
+            }
+            other => Err(format!(
+                "fault spec: unknown key `{other}` (known: status, body, retry_after, header, \
+                 latency, first_byte_delay, chunks, chunk_interval, stall_after, reset_after, times)"
+            )),
+        }
+    }
+}
+
+/// Renders the fault back in spec form (for `/__stats`); round-trips through `parse`.
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut parts: Vec<String> = Vec::new();
+        if let Some(s) = self.status {
+            parts.push(format!("status={s}"));
+        }
+        if let Some(b) = &self.body {
+            parts.push(format!(
+                "body={}",
+                b.replace('\\', "\\\\").replace(';', "\\;")
+            ));
+        }
+        if let Some(r) = &self.retry_after {
+            parts.push(format!(
+                "retry_after={}",
+                String::from_utf8_lossy(r.as_bytes())
+            ));
+        }
+        for (n, v) in &self.headers {
+            parts.push(format!(
+                "header={}:{}",
+                n,
+                String::from_utf8_lossy(v.as_bytes())
+            ));
+        }
+        let durations = [
+            ("latency", self.latency),
+            ("first_byte_delay", self.first_byte_delay),
+            ("chunk_interval", self.chunk_interval),
+        ];
+        for (k, d) in durations {
+            if let Some(d) = d {
+                parts.push(format!("{k}={}", humantime::format_duration(d)));
+            }
+        }
+        let counts = [
+            ("chunks", self.chunks),
+            ("stall_after", self.stall_after),
+            ("reset_after", self.reset_after),
+        ];
+        for (k, n) in counts {
+            if let Some(n) = n {
+                parts.push(format!("{k}={n}"));
+            }
+        }
+        if let Some(t) = self.times {
+            parts.push(format!("times={t}"));
+        }
+        f.write_str(&parts.join(";"))
+    }
+}
+
+fn set_once<T>(slot: &mut Option<T>, key: &str, value: T) -> Result<(), String> {
+    if slot.is_some() {
+        return Err(format!("fault spec: `{key}` given twice"));
+    }
+    *slot = Some(value);
+    Ok(())
+}
+
+fn duration(key: &str, value: &str) -> Result<Duration, String> {
+    humantime::parse_duration(value).map_err(|e| {
+        format!("fault spec: {key} `{value}` is not a duration ({e}); use e.g. 200ms or 2s")
+    })
+}
+
+fn number<T: std::str::FromStr>(key: &str, value: &str) -> Result<T, String> {
+    value
+        .parse()
+        .map_err(|_| format!("fault spec: {key} `{value}` is not a non-negative integer"))
+}
+
+/// Splits on `;` not preceded by a backslash, and resolves `\;` and `\\` escapes.
+fn split_unescaped(spec: &str) -> Vec<String> {
+    let mut parts = Vec::new();
+    let mut cur = String::new();
+    let mut chars = spec.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => match chars.next() {
+                Some(';') => cur.push(';'),
+                Some('\\') => cur.push('\\'),
+                Some(other) => {
+                    cur.push('\\');
+                    cur.push(other);
+                }
+                None => cur.push('\\'),
+            },
+            ';' => parts.push(std::mem::take(&mut cur)),
+            c => cur.push(c),
+        }
+    }
+    parts.push(cur);
+    parts
+}
+
+/// The process-wide fault, set by `--fault` or `POST /__fault`.
+#[derive(Default)]
+pub struct FaultSlot {
+    armed: AtomicBool,
+    slot: Mutex<Option<(Arc<Fault>, Option<u64>)>>,
+}
+
+impl FaultSlot {
+    /// Replaces the process fault; an empty fault clears it.
+    pub fn set(&self, fault: Fault) {
+        let mut g = self.slot.lock().unwrap_or_else(|e| e.into_inner());
+        if fault.is_empty() {
+            *g = None;
+            self.armed.store(false, Ordering::Release);
+        } else {
+            let times = fault.times;
+            *g = Some((Arc::new(fault), times));
+            self.armed.store(true, Ordering::Release);
+        }
+    }
+
+    /// Takes the fault for one request, spending one unit of its `times` budget.
+    pub fn take(&self) -> Option<Arc<Fault>> {
+        if !self.armed.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut g = self.slot.lock().unwrap_or_else(|e| e.into_inner());
+        let (fault, remaining) = g.as_mut()?;
+        let fault = fault.clone();
+        if let Some(n) = remaining {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                *g = None;
+                self.armed.store(false, Ordering::Release);
+            }
+        }
+        Some(fault)
+    }
+
+    /// The current fault in spec form with its remaining budget, for `/__stats`.
+    pub fn describe(&self) -> Option<String> {
+        let g = self.slot.lock().unwrap_or_else(|e| e.into_inner());
+        g.as_ref().map(|(f, remaining)| {
+            let shown = Fault {
+                times: *remaining,
+                ..(**f).clone()
+            };
+            shown.to_string()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_key() {
+        let f = Fault::parse(
+            "status=429; retry_after=2;header=x-a:1;header=X-B: two;latency=200ms;\
+             first_byte_delay=1s;chunks=3;chunk_interval=5ms;stall_after=1;reset_after=2;times=4",
+        )
+        .unwrap();
+        assert_eq!(f.status, Some(429));
+        assert_eq!(f.retry_after.as_ref().unwrap(), "2");
+        assert_eq!(f.headers.len(), 2);
+        assert_eq!(f.headers[1].0.as_str(), "x-b");
+        assert_eq!(f.headers[1].1, "two");
+        assert_eq!(f.latency, Some(Duration::from_millis(200)));
+        assert_eq!(f.first_byte_delay, Some(Duration::from_secs(1)));
+        assert_eq!(f.chunks, Some(3));
+        assert_eq!(f.chunk_interval, Some(Duration::from_millis(5)));
+        assert_eq!(f.stall_after, Some(1));
+        assert_eq!(f.reset_after, Some(2));
+        assert_eq!(f.times, Some(4));
+    }
+
+    #[test]
+    fn body_keeps_escaped_semicolons_and_equals() {
+        let f = Fault::parse(r#"status=200;body={"error":"a\;b=c"}"#).unwrap();
+        assert_eq!(f.body.as_deref(), Some(r#"{"error":"a;b=c"}"#));
+        let again = Fault::parse(&f.to_string()).unwrap();
+        assert_eq!(again, f);
+    }
+
+    #[test]
+    fn empty_spec_is_no_fault() {
+        assert!(Fault::parse("").unwrap().is_empty());
+        assert!(Fault::parse(" ; ").unwrap().is_empty());
+        assert!(Fault::parse("times=3").unwrap().is_empty());
+    }
+
+    #[test]
+    fn rejects_malformed_specs() {
+        for bad in [
+            "status",
+            "status=abc",
+            "status=99",
+            "latency=fast",
+            "chunks=-1",
+            "nope=1",
+            "status=500;status=502",
+            "times=0",
+            "header=novalue",
+            "header=bad name:1",
+        ] {
+            assert!(Fault::parse(bad).is_err(), "{bad} should be rejected");
+        }
+    }
+
+    #[test]
+    fn slot_spends_times_budget_exactly() {
+        let slot = FaultSlot::default();
+        slot.set(Fault::parse("status=500;times=2").unwrap());
+        assert!(slot.take().is_some());
+        assert_eq!(slot.describe().as_deref(), Some("status=500;times=1"));
+        assert!(slot.take().is_some());
+        assert!(slot.take().is_none());
+        assert!(slot.describe().is_none());
+    }
+
+    #[test]
+    fn slot_without_times_persists_until_cleared() {
+        let slot = FaultSlot::default();
+        slot.set(Fault::parse("status=503").unwrap());
+        for _ in 0..5 {
+            assert_eq!(slot.take().unwrap().status, Some(503));
+        }
+        slot.set(Fault::default());
+        assert!(slot.take().is_none());
+    }
+}

@@ -1,0 +1,190 @@
+//! Header rewriting at the upstream boundary (SPEC §2).
+//!
+//! Upstream requests carry the client's headers minus its credentials, the session and
+//! lease headers, hop-by-hop headers and anything that describes the original framing;
+//! the connection's credential is set in the family's style. Responses going back to the
+//! client lose hop-by-hop headers and gain the `x-sluice-*` headers.
+
+use crate::config::{BaseUrl, Connection, Family, Provider};
+use pingora::http::{RequestHeader, ResponseHeader};
+
+/// Request headers never forwarded upstream (lower-case).
+const STRIP_REQUEST: &[&str] = &[
+    "authorization",
+    "x-api-key",
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "expect",
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "upgrade",
+    "accept-encoding",
+    "x-session-id",
+    "x-codex-session-id",
+    "x-sluice-session",
+    "x-sluice-lease-owner",
+    "x-sluice-lease-generation",
+];
+
+/// Response headers never forwarded to the client (lower-case).
+const STRIP_RESPONSE: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+];
+
+pub const ANTHROPIC_VERSION: &str = "2023-06-01";
+
+/// Builds the upstream request header for one attempt.
+pub fn request_header(
+    client: &RequestHeader,
+    provider: &Provider,
+    connection: &Connection,
+    body_len: usize,
+) -> pingora::Result<RequestHeader> {
+    let path_and_query = client
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/");
+    let path = format!("{}{}", provider.base_url.path_prefix, path_and_query);
+    let mut req = RequestHeader::build(
+        client.method.clone(),
+        path.as_bytes(),
+        Some(client.headers.len() + 4),
+    )?;
+    for (name, value) in client.headers.iter() {
+        if STRIP_REQUEST.contains(&name.as_str()) {
+            continue;
+        }
+        req.append_header(name.clone(), value.clone())?;
+    }
+    req.insert_header("host", host_header(&provider.base_url))?;
+    req.insert_header("content-length", body_len)?;
+    if let Some(key) = &connection.key {
+        match provider.api {
+            Family::OpenAi => {
+                req.insert_header("authorization", format!("Bearer {}", key.expose()))?;
+            }
+            Family::Anthropic => {
+                req.insert_header("x-api-key", key.expose())?;
+            }
+        }
+    }
+    if provider.api == Family::Anthropic && req.headers.get("anthropic-version").is_none() {
+        req.insert_header("anthropic-version", ANTHROPIC_VERSION)?;
+    }
+    Ok(req)
+}
+
+fn host_header(url: &BaseUrl) -> String {
+    url.authority()
+}
+
+/// The client-facing copy of an upstream response header.
+pub fn response_header(
+    upstream: &ResponseHeader,
+    h2_downstream: bool,
+    sluice: &[(&'static str, String)],
+) -> pingora::Result<ResponseHeader> {
+    let mut resp =
+        ResponseHeader::build(upstream.status, Some(upstream.headers.len() + sluice.len()))?;
+    for (name, value) in upstream.headers.iter() {
+        if STRIP_RESPONSE.contains(&name.as_str()) {
+            continue;
+        }
+        resp.append_header(name.clone(), value.clone())?;
+    }
+    if !h2_downstream
+        && resp.headers.get("content-length").is_none()
+        && !matches!(upstream.status.as_u16(), 204 | 304)
+    {
+        resp.insert_header("transfer-encoding", "chunked")?;
+    }
+    for (k, v) in sluice {
+        resp.insert_header(*k, v.as_str())?;
+    }
+    Ok(resp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{ProviderClass, Secret};
+    use std::time::Duration;
+
+    fn provider(api: Family) -> Provider {
+        Provider {
+            id: "p".into(),
+            base_url: BaseUrl {
+                tls: false,
+                host: "127.0.0.1".into(),
+                port: 9100,
+                path_prefix: "/api".into(),
+            },
+            api,
+            class: ProviderClass::ApiKey,
+            retry_delay: None,
+            connect_timeout: Duration::from_secs(1),
+            quota_family: None,
+            connections: vec![],
+        }
+    }
+
+    fn conn() -> Connection {
+        Connection {
+            id: "c".into(),
+            key: Some(Secret::new("upstream-key".into())),
+            max_concurrent: None,
+            model_concurrency: Default::default(),
+            bucket: None,
+            retry_delay: None,
+            disable_cooling: false,
+        }
+    }
+
+    #[test]
+    fn strips_client_secrets_and_sets_upstream_auth() {
+        let mut c = RequestHeader::build("POST", b"/v1/chat/completions?x=1", None).unwrap();
+        for (k, v) in [
+            ("authorization", "Bearer client"),
+            ("x-api-key", "client"),
+            ("x-session-id", "s"),
+            ("x-sluice-lease-owner", "o"),
+            ("connection", "keep-alive"),
+            ("expect", "100-continue"),
+            ("x-custom", "kept"),
+        ] {
+            c.insert_header(k, v).unwrap();
+        }
+        let r = request_header(&c, &provider(Family::OpenAi), &conn(), 12).unwrap();
+        assert_eq!(r.uri.to_string(), "/api/v1/chat/completions?x=1");
+        assert_eq!(r.headers["authorization"], "Bearer upstream-key");
+        assert_eq!(r.headers["host"], "127.0.0.1:9100");
+        assert_eq!(r.headers["content-length"], "12");
+        assert_eq!(r.headers["x-custom"], "kept");
+        for gone in [
+            "x-api-key",
+            "x-session-id",
+            "x-sluice-lease-owner",
+            "connection",
+            "expect",
+        ] {
+            assert!(r.headers.get(gone).is_none(), "{gone} leaked");
+        }
+        let a = request_header(&c, &provider(Family::Anthropic), &conn(), 0).unwrap();
+        assert_eq!(a.headers["x-api-key"], "upstream-key");
+        assert_eq!(a.headers["anthropic-version"], ANTHROPIC_VERSION);
+        assert!(a.headers.get("authorization").is_none());
+    }
+}

@@ -1,0 +1,178 @@
+//! Streaming: SSE chunks pass through unbuffered, a stall after commit ends the stream
+//! with an error event, and a client that disconnects ends the upstream stream.
+
+mod common;
+
+use common::gw::{server_section, Gateway};
+use common::{open_stream, parse_sse, wait_until, Mock};
+use std::time::{Duration, Instant};
+
+fn config(mock: &str, resilience: &str) -> String {
+    format!(
+        "{}providers:
+  - id: p
+    base_url: \"{mock}\"
+    api: openai
+    connections:
+      - {{ id: c, api_key_env: KEY }}
+  - id: q
+    base_url: \"{mock}\"
+    api: anthropic
+    connections:
+      - {{ id: c, api_key_env: KEY }}
+models:
+  - name: m
+    targets:
+      - {{ provider: p, model: up }}
+  - name: claude
+    targets:
+      - {{ provider: q, model: up-claude }}
+{resilience}",
+        server_section("")
+    )
+}
+
+const KEY: &[(&str, &str)] = &[("KEY", "stream-key")];
+
+#[test]
+fn first_chunk_arrives_long_before_the_last() {
+    let mock = Mock::start(&["--chunks", "5", "--chunk-interval", "250ms"]);
+    let gw = Gateway::start(&config(&mock.base_url(), ""), KEY);
+    let started = Instant::now();
+    let mut s = open_stream(
+        gw.client,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        br#"{"model":"m","stream":true,"messages":[]}"#,
+    );
+    assert_eq!(s.status, 200);
+    assert_eq!(s.header("content-type"), Some("text/event-stream"));
+    assert_eq!(s.header("x-sluice-provider"), Some("p"));
+    let mut times = Vec::new();
+    let mut body = Vec::new();
+    while let Some(chunk) = s.next_chunk(Duration::from_secs(10)) {
+        times.push(started.elapsed());
+        body.extend_from_slice(&chunk);
+    }
+    let first = times[0];
+    let last = *times.last().unwrap();
+    // 5 content chunks 250 ms apart: ≥ 1 s between the first and the last byte.
+    assert!(
+        last - first >= Duration::from_millis(900),
+        "first {first:?}, last {last:?}: buffered?"
+    );
+    assert!(
+        times.len() >= 5,
+        "only {} reads: chunks were merged",
+        times.len()
+    );
+    let events = parse_sse(&body);
+    assert_eq!(events.last().map(|e| e.data.as_str()), Some("[DONE]"));
+}
+
+#[test]
+fn stall_after_commit_ends_stream_with_error_event() {
+    let mock = Mock::start(&[
+        "--chunks",
+        "10",
+        "--chunk-interval",
+        "20ms",
+        "--fault",
+        "stall_after=2",
+    ]);
+    let gw = Gateway::start(
+        &config(
+            &mock.base_url(),
+            "resilience:\n  stream: { stall_timeout: \"400ms\" }\n",
+        ),
+        KEY,
+    );
+    let mut s = open_stream(
+        gw.client,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        br#"{"model":"m","stream":true}"#,
+    );
+    assert_eq!(s.status, 200);
+    let body = s.read_to_end(Duration::from_secs(10));
+    assert_eq!(
+        s.end,
+        Some(common::StreamEnd::Complete),
+        "stream should end cleanly"
+    );
+    let events = parse_sse(&body);
+    let last = events.last().expect("events");
+    assert_eq!(
+        last.json()["error"]["code"],
+        "stall",
+        "last event: {:?}",
+        last.data
+    );
+    let content = events
+        .iter()
+        .filter(|e| e.data.contains("chat.completion.chunk"))
+        .count();
+    assert_eq!(content, 2);
+}
+
+#[test]
+fn anthropic_stall_error_event_has_anthropic_shape() {
+    let mock = Mock::start(&[
+        "--chunks",
+        "10",
+        "--chunk-interval",
+        "20ms",
+        "--fault",
+        "stall_after=1",
+    ]);
+    let gw = Gateway::start(
+        &config(
+            &mock.base_url(),
+            "resilience:\n  stream: { stall_timeout: \"400ms\" }\n",
+        ),
+        KEY,
+    );
+    let mut s = open_stream(
+        gw.client,
+        "POST",
+        "/v1/messages",
+        &[],
+        br#"{"model":"claude","stream":true,"max_tokens":5}"#,
+    );
+    assert_eq!(s.status, 200);
+    let body = s.read_to_end(Duration::from_secs(10));
+    let events = parse_sse(&body);
+    let last = events.last().expect("events");
+    assert_eq!(last.event.as_deref(), Some("error"));
+    assert_eq!(last.json()["type"], "error");
+    assert_eq!(last.json()["error"]["code"], "stall");
+}
+
+#[test]
+fn client_disconnect_stops_the_upstream_stream() {
+    let mock = Mock::start(&["--chunks", "200", "--chunk-interval", "50ms"]);
+    let gw = Gateway::start(&config(&mock.base_url(), ""), KEY);
+    let mut s = open_stream(
+        gw.client,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        br#"{"model":"m","stream":true}"#,
+    );
+    assert_eq!(s.status, 200);
+    assert!(s.next_chunk(Duration::from_secs(5)).is_some());
+    assert!(s.next_chunk(Duration::from_secs(5)).is_some());
+    drop(s);
+    // 200 chunks at 50 ms would take 10 s; the upstream must see the cut well before.
+    assert!(
+        wait_until(Duration::from_secs(3), || mock.stats()["streams_aborted"]
+            == 1),
+        "upstream stream not aborted: {}",
+        mock.stats()
+    );
+    let sent = mock.stats()["chunks_sent"].as_u64().unwrap();
+    assert!(sent < 60, "upstream kept streaming: {sent} chunks");
+    assert_eq!(mock.stats()["streams_completed"], 0);
+}
