@@ -1,29 +1,28 @@
-//! A plain-TCP listening service for Pingora apps that binds its own socket.
+//! A Pingora listening service whose socket is bound before the server starts.
 //!
 //! Pingora's stock `Service` binds inside `start_service` and never tells anyone which
-//! port it got, so a listener on port 0 (what tests and benchmarks use) would be
-//! unreachable. This service binds eagerly (before the server starts, so a bad address
-//! fails at startup with a clear message), reports the bound address, and then runs the
-//! usual accept loop, handing every connection to the app and looping while the app
-//! returns the connection for keep-alive reuse.
-//!
-//! It does not take part in Pingora's fd-passing graceful upgrade: a restart rebinds.
+//! port it got, so a listener on port 0 (tests, benchmarks) would be unreachable and a
+//! bad address would only fail once the server runs. This wrapper binds eagerly (a bad
+//! address fails at startup with a clear message), reports the bound address, and at
+//! start hands the socket to Pingora through the server's listen-fd table under the
+//! bound address. Pingora's own service then adopts that fd instead of binding, so the
+//! accept path is entirely Pingora's: per-connection buffers, handshake timeout,
+//! keep-alive reuse, and the fd table that graceful upgrades pass on.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::os::fd::IntoRawFd;
 
 use async_trait::async_trait;
 use pingora::apps::ServerApp;
-use pingora::protocols::l4::stream::Stream as L4Stream;
 use pingora::server::{ListenFds, ShutdownWatch};
+use pingora::services::listening::Service as ListeningService;
 use pingora::services::Service;
 
-/// A listening service around one `ServerApp`.
+/// A listening service around one `ServerApp`, bound at construction.
 pub struct TcpAppService<A> {
-    name: String,
+    inner: ListeningService<A>,
     listener: Option<std::net::TcpListener>,
-    app: Arc<A>,
-    threads: Option<usize>,
+    key: String,
 }
 
 impl<A: ServerApp + Send + Sync + 'static> TcpAppService<A> {
@@ -38,12 +37,15 @@ impl<A: ServerApp + Send + Sync + 'static> TcpAppService<A> {
         let listener = std::net::TcpListener::bind(addr)?;
         listener.set_nonblocking(true)?;
         let local = listener.local_addr()?;
+        let key = local.to_string();
+        let mut inner = ListeningService::new(name.to_string(), app);
+        inner.add_tcp(&key);
+        inner.threads = threads;
         Ok((
             Self {
-                name: name.to_string(),
+                inner,
                 listener: Some(listener),
-                app: Arc::new(app),
-                threads,
+                key,
             },
             local,
         ))
@@ -54,55 +56,30 @@ impl<A: ServerApp + Send + Sync + 'static> TcpAppService<A> {
 impl<A: ServerApp + Send + Sync + 'static> Service for TcpAppService<A> {
     async fn start_service(
         &mut self,
-        _fds: Option<ListenFds>,
-        mut shutdown: ShutdownWatch,
-        _listeners_per_fd: usize,
+        fds: Option<ListenFds>,
+        shutdown: ShutdownWatch,
+        listeners_per_fd: usize,
     ) {
-        let Some(std_listener) = self.listener.take() else {
-            return;
-        };
-        let listener = match tokio::net::TcpListener::from_std(std_listener) {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::error!(service = %self.name, error = %e, "cannot register listener");
-                return;
+        match (&fds, self.listener.take()) {
+            // The normal case: Pingora adopts our socket from its fd table.
+            (Some(table), Some(listener)) => {
+                table.lock().add(self.key.clone(), listener.into_raw_fd());
             }
-        };
-        loop {
-            let accepted = tokio::select! {
-                r = listener.accept() => r,
-                changed = shutdown.changed() => {
-                    if changed.is_err() || *shutdown.borrow() { break; }
-                    continue;
-                }
-            };
-            match accepted {
-                Ok((tcp, _peer)) => {
-                    let _ = tcp.set_nodelay(true);
-                    let app = self.app.clone();
-                    let shutdown = shutdown.clone();
-                    tokio::spawn(async move {
-                        let stream: pingora::protocols::Stream = Box::new(L4Stream::from(tcp));
-                        let mut next = app.process_new(stream, &shutdown).await;
-                        while let Some(reused) = next {
-                            next = app.process_new(reused, &shutdown).await;
-                        }
-                    });
-                }
-                Err(e) => {
-                    // EMFILE and friends: back off briefly instead of spinning.
-                    tracing::warn!(service = %self.name, error = %e, "accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                }
-            }
+            // No fd table (not expected on unix): release the socket and let Pingora
+            // bind the same address itself.
+            (None, Some(listener)) => drop(listener),
+            (_, None) => {}
         }
+        self.inner
+            .start_service(fds, shutdown, listeners_per_fd)
+            .await
     }
 
     fn name(&self) -> &str {
-        &self.name
+        self.inner.name()
     }
 
     fn threads(&self) -> Option<usize> {
-        self.threads
+        self.inner.threads
     }
 }

@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Side-by-side benchmark (SPEC §10): the same mock upstream called directly, through
+# Sluice, and through nginx (when installed), non-streaming and streaming, at several
+# concurrencies, in one run on one machine. Prints requests/s, p50/p99 latency and the
+# ratios; writes the table to bench/out/<timestamp>.md as well.
+#
+#   BENCH_DURATION=10s BENCH_CONNS="1 32 128" ./bench/run.sh
+#
+# Needs: wrk (apt-get install wrk); nginx is optional (apt-get install nginx).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DUR=${BENCH_DURATION:-10s}
+CONNS=${BENCH_CONNS:-"1 32 128"}
+BIN=${BENCH_BIN:-target/release}
+command -v wrk >/dev/null || { echo "bench: wrk is required (apt-get install wrk)" >&2; exit 2; }
+[ -x "$BIN/sluice" ] && [ -x "$BIN/sluice-mock" ] || { echo "bench: build first (make build)" >&2; exit 2; }
+
+WORK=$(mktemp -d /tmp/sluice-bench.XXXXXX)
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
+trap cleanup EXIT INT TERM
+
+# wait_listen FILE NAME -> prints the address from "LISTENING NAME addr"
+wait_listen() {
+  for _ in $(seq 1 300); do
+    local a; a=$(awk -v n="$2" '$1=="LISTENING" && $2==n {print $3}' "$1" 2>/dev/null | head -1)
+    [ -n "$a" ] && { echo "$a"; return 0; }
+    sleep 0.1
+  done
+  echo "bench: $2 did not start" >&2; exit 1
+}
+
+"$BIN/sluice-mock" --listen 127.0.0.1:0 --threads 2 --chunks 8 --chunk-interval 0ms >"$WORK/mock.out" 2>&1 &
+PIDS+=($!)
+MOCK=$(wait_listen "$WORK/mock.out" mock)
+
+cat >"$WORK/sluice.yaml" <<YAML
+server: { listen: "127.0.0.1:0", admin_listen: "127.0.0.1:0", threads: 2 }
+admin: { token_env: SLUICE_ADMIN_TOKEN }
+providers:
+  - id: mock
+    base_url: "http://$MOCK"
+    api: openai
+    class: local
+    connections:
+      - { id: key-1, api_key_env: BENCH_KEY }
+models:
+  - name: bench
+    targets:
+      - { provider: mock, model: mock-model }
+YAML
+SLUICE_ADMIN_TOKEN=bench BENCH_KEY=bench-key SLUICE_LOG=${SLUICE_LOG:-info} \
+  "$BIN/sluice" run --config "$WORK/sluice.yaml" >"$WORK/sluice.out" 2>"$WORK/sluice.log" &
+PIDS+=($!)
+SLUICE=$(wait_listen "$WORK/sluice.out" client)
+
+NGINX=""
+if command -v nginx >/dev/null; then
+  NPORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()')
+  mkdir -p "$WORK/nginx"
+  cat >"$WORK/nginx.conf" <<NGX
+worker_processes 2;
+pid $WORK/nginx.pid;
+error_log $WORK/nginx/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $WORK/nginx; proxy_temp_path $WORK/nginx;
+  fastcgi_temp_path $WORK/nginx; uwsgi_temp_path $WORK/nginx; scgi_temp_path $WORK/nginx;
+  upstream mock { server $MOCK; keepalive 256; }
+  server {
+    listen 127.0.0.1:$NPORT;
+    location / {
+      proxy_pass http://mock;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }
+  }
+}
+NGX
+  nginx -c "$WORK/nginx.conf" -g 'daemon off;' >/dev/null 2>&1 &
+  PIDS+=($!)
+  for _ in $(seq 1 100); do
+    curl -s -o /dev/null "http://127.0.0.1:$NPORT/__stats" && break; sleep 0.1
+  done
+  NGINX="127.0.0.1:$NPORT"
+fi
+
+# to_ms "123.45us" -> milliseconds
+to_ms() { awk -v v="$1" 'BEGIN{ n=v+0; if (v ~ /us$/) n/=1000; else if (v ~ /ms$/) n=n; else if (v ~ /s$/) n*=1000; printf "%.3f", n }'; }
+
+# run_wrk ADDR STREAM CONNS -> "rps p50ms p99ms"
+run_wrk() {
+  local out threads=2
+  [ "$3" -lt 2 ] && threads=1
+  out=$(BENCH_STREAM=$2 wrk -t"$threads" -c"$3" -d"$DUR" --latency -s bench/post.lua "http://$1/v1/chat/completions" 2>&1)
+  if echo "$out" | grep -q "Non-2xx"; then echo "bench: non-2xx answers from $1:" >&2; echo "$out" >&2; exit 1; fi
+  local rps p50 p99
+  rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
+  p50=$(echo "$out" | awk '$1=="50%" {print $2}')
+  p99=$(echo "$out" | awk '$1=="99%" {print $2}')
+  echo "$rps $(to_ms "$p50") $(to_ms "$p99")"
+}
+
+STAMP=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+mkdir -p bench/out
+REPORT="bench/out/$(date -u +%Y%m%d-%H%M%S).md"
+{
+  echo "## $STAMP — $(uname -m), $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo)"
+  echo
+  echo "Command: \`BENCH_DURATION=$DUR BENCH_CONNS=\"$CONNS\" ./bench/run.sh\` (wrk $(wrk -v 2>&1 | awk 'NR==1{print $2}'), mock: 8 SSE chunks, no delay)"
+  echo
+  echo "| mode | conns | direct rps | sluice rps | nginx rps | sluice/direct | sluice/nginx | direct p50/p99 ms | sluice p50/p99 ms | nginx p50/p99 ms | sluice added p50/p99 ms |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|"
+} | tee "$REPORT"
+for stream in 0 1; do
+  mode=$([ "$stream" = 1 ] && echo stream || echo json)
+  for c in $CONNS; do
+    read -r d_rps d_p50 d_p99 <<<"$(run_wrk "$MOCK" "$stream" "$c")"
+    read -r s_rps s_p50 s_p99 <<<"$(run_wrk "$SLUICE" "$stream" "$c")"
+    n_rps="-"; n_p50="-"; n_p99="-"; sn="-"
+    if [ -n "$NGINX" ]; then
+      read -r n_rps n_p50 n_p99 <<<"$(run_wrk "$NGINX" "$stream" "$c")"
+      sn=$(awk -v a="$s_rps" -v b="$n_rps" 'BEGIN{printf "%.2f", a/b}')
+    fi
+    sd=$(awk -v a="$s_rps" -v b="$d_rps" 'BEGIN{printf "%.2f", a/b}')
+    add50=$(awk -v a="$s_p50" -v b="$d_p50" 'BEGIN{printf "%.3f", a-b}')
+    add99=$(awk -v a="$s_p99" -v b="$d_p99" 'BEGIN{printf "%.3f", a-b}')
+    echo "| $mode | $c | $d_rps | $s_rps | $n_rps | $sd | $sn | $d_p50 / $d_p99 | $s_p50 / $s_p99 | $n_p50 / $n_p99 | $add50 / $add99 |" | tee -a "$REPORT"
+  done
+done
+echo
+echo "Sluice RSS after the run: $(ps -o rss= -p "${PIDS[1]}" | awk '{printf "%.1f MB", $1/1024}')" | tee -a "$REPORT"
+echo "report: $REPORT"
