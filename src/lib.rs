@@ -7,6 +7,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod metrics;
+pub mod policy;
 pub mod mock;
 pub mod proxy;
 pub mod routing;
