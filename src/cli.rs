@@ -5,18 +5,22 @@
 //! place that reads the process environment (for `*_env` secrets).
 
 use crate::admin::AdminApp;
-use crate::config::{self, Loaded};
+use crate::clock::SystemClock;
+use crate::config::Loaded;
+use crate::engine::reload::{self, load_all};
 use crate::engine::Engine;
 use crate::error::StartupError;
 use crate::metrics::Metrics;
 use crate::proxy::Gateway;
 use crate::server::listener::TcpAppService;
+use crate::store::{RedbStore, StateStore, StoreWriter};
 use clap::{Parser, Subcommand};
 use pingora::server::configuration::ServerConf;
 use pingora::server::Server;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -35,6 +39,10 @@ pub enum Command {
     Run {
         #[arg(long, short, default_value = "conf/sluice.yaml")]
         config: PathBuf,
+        /// Move an unreadable or corrupt state file aside (renamed, never deleted) and
+        /// start with empty state.
+        #[arg(long)]
+        reset_state: bool,
     },
     /// Validate the config and print every problem with its field path.
     Check {
@@ -47,10 +55,11 @@ fn env_lookup(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }
 
-/// `sluice check`: returns the process exit code.
+/// `sluice check`: validates the config and the rule files it points at; returns the
+/// process exit code.
 pub fn check(path: &Path, out: &mut dyn Write) -> i32 {
-    match config::load_file(path, &env_lookup) {
-        Ok(Loaded { config, warnings }) => {
+    match load_all(path, &env_lookup) {
+        Ok((Loaded { config, warnings }, rules)) => {
             for w in &warnings {
                 let _ = writeln!(out, "warning: {w}");
             }
@@ -62,6 +71,13 @@ pub fn check(path: &Path, out: &mut dyn Write) -> i32 {
                 config.providers.len(),
                 connections,
                 config.models.len()
+            );
+            let _ = writeln!(
+                out,
+                "{}: OK ({} restatement rules, {} classification rules)",
+                config.rules_dir.display(),
+                rules.restatement_count(),
+                rules.classification_count()
             );
             0
         }
@@ -77,8 +93,8 @@ pub fn check(path: &Path, out: &mut dyn Write) -> i32 {
 
 /// `sluice run`: binds both listeners, prints `LISTENING <name> <addr>` for each, and
 /// serves until a signal stops the process.
-pub fn run(path: &Path) -> Result<(), StartupError> {
-    let Loaded { config, warnings } = config::load_file(path, &env_lookup).map_err(|problems| {
+pub fn run(path: &Path, reset_state: bool) -> Result<(), StartupError> {
+    let (Loaded { config, warnings }, rules) = load_all(path, &env_lookup).map_err(|problems| {
         StartupError::Config(
             problems
                 .iter()
@@ -98,7 +114,29 @@ pub fn run(path: &Path) -> Result<(), StartupError> {
     let threads = config.server.threads;
     let listen = config.server.listen.clone();
     let admin_listen = config.server.admin_listen.clone();
-    let engine = Engine::new(config, metrics);
+    let store: Arc<dyn StateStore> = Arc::new(
+        RedbStore::open(&config.state_path, reset_state)
+            .map_err(|e| StartupError::Store(e.to_string()))?,
+    );
+    let image = store
+        .load()
+        .map_err(|e| StartupError::Store(e.to_string()))?;
+    let writer = StoreWriter::spawn_on_thread(store, Duration::from_millis(100))
+        .map_err(|e| StartupError::Store(e.to_string()))?;
+    let engine = Engine::new(
+        config,
+        rules,
+        metrics,
+        Some(writer),
+        Arc::new(SystemClock),
+        Some(path.to_path_buf()),
+    );
+    let restored = engine.tables.restore(&image, engine.now());
+    tracing::info!(restored, "state loaded");
+    reload::spawn_watcher(engine.clone()).map_err(|source| StartupError::Listen {
+        addr: "reload watcher".into(),
+        source,
+    })?;
 
     let conf = Arc::new(server_conf(threads));
     let proxy = pingora::proxy::http_proxy(&conf, Gateway::new(engine.clone()));

@@ -50,6 +50,8 @@ pub enum StartupError {
         addr: String,
         source: std::io::Error,
     },
+    #[error("state store: {0}")]
+    Store(String),
     #[error("metrics registry: {0}")]
     Metrics(#[from] prometheus::Error),
 }
@@ -60,6 +62,7 @@ impl StartupError {
         match self {
             StartupError::Config(_) => "config",
             StartupError::Listen { .. } => "listen",
+            StartupError::Store(_) => "store",
             StartupError::Metrics(_) => "metrics",
         }
     }

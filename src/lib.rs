@@ -3,12 +3,15 @@
 
 pub mod admin;
 pub mod cli;
+pub mod clock;
 pub mod config;
 pub mod engine;
 pub mod error;
 pub mod metrics;
-pub mod policy;
 pub mod mock;
+pub mod policy;
 pub mod proxy;
 pub mod routing;
+pub mod rules;
 pub mod server;
+pub mod store;

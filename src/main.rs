@@ -13,7 +13,10 @@ fn main() {
     let cli = Cli::parse();
     let code = match cli.command {
         Command::Check { config } => sluice::cli::check(&config, &mut std::io::stdout()),
-        Command::Run { config } => match sluice::cli::run(&config) {
+        Command::Run {
+            config,
+            reset_state,
+        } => match sluice::cli::run(&config, reset_state) {
             Ok(()) => 0,
             Err(e) => {
                 eprintln!("sluice: {e}");

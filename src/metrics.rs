@@ -18,6 +18,13 @@ pub struct Metrics {
     pub inflight: IntGaugeVec,
     pub stream_aborts_total: IntCounterVec,
     pub config_reloads_total: IntCounterVec,
+    pub breaker_state: IntGaugeVec,
+    pub breaker_transitions_total: IntCounterVec,
+    pub connection_cooling: IntGaugeVec,
+    pub connection_terminal: IntGaugeVec,
+    pub model_lockouts_active: prometheus::IntGauge,
+    pub restatements_total: IntCounterVec,
+    pub classifications_total: IntCounterVec,
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -73,6 +80,52 @@ impl Metrics {
             Opts::new("sluice_config_reloads_total", "Config loads by result"),
             &["result"],
         )?;
+        let breaker_state = IntGaugeVec::new(
+            Opts::new(
+                "sluice_breaker_state",
+                "Provider breaker: 0 closed, 1 degraded, 2 half_open, 3 open",
+            ),
+            &["provider"],
+        )?;
+        let breaker_transitions_total = IntCounterVec::new(
+            Opts::new(
+                "sluice_breaker_transitions_total",
+                "Breaker state changes by target state",
+            ),
+            &["provider", "to"],
+        )?;
+        let connection_cooling = IntGaugeVec::new(
+            Opts::new(
+                "sluice_connection_cooling",
+                "1 while a connection is cooling down",
+            ),
+            &["provider", "connection"],
+        )?;
+        let connection_terminal = IntGaugeVec::new(
+            Opts::new(
+                "sluice_connection_terminal",
+                "1 while a connection is in a terminal state",
+            ),
+            &["provider", "connection", "state"],
+        )?;
+        let model_lockouts_active = prometheus::IntGauge::new(
+            "sluice_model_lockouts_active",
+            "Model lockouts currently in force",
+        )?;
+        let restatements_total = IntCounterVec::new(
+            Opts::new(
+                "sluice_restatements_total",
+                "Upstream statuses restated, by rule id",
+            ),
+            &["rule"],
+        )?;
+        let classifications_total = IntCounterVec::new(
+            Opts::new(
+                "sluice_classifications_total",
+                "Failed attempts by classified reason and scope",
+            ),
+            &["reason", "scope"],
+        )?;
         for c in [
             Box::new(requests_total.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(attempts_total.clone()),
@@ -81,6 +134,13 @@ impl Metrics {
             Box::new(inflight.clone()),
             Box::new(stream_aborts_total.clone()),
             Box::new(config_reloads_total.clone()),
+            Box::new(breaker_state.clone()),
+            Box::new(breaker_transitions_total.clone()),
+            Box::new(connection_cooling.clone()),
+            Box::new(connection_terminal.clone()),
+            Box::new(model_lockouts_active.clone()),
+            Box::new(restatements_total.clone()),
+            Box::new(classifications_total.clone()),
         ] {
             registry.register(c)?;
         }
@@ -93,6 +153,13 @@ impl Metrics {
             inflight,
             stream_aborts_total,
             config_reloads_total,
+            breaker_state,
+            breaker_transitions_total,
+            connection_cooling,
+            connection_terminal,
+            model_lockouts_active,
+            restatements_total,
+            classifications_total,
         })
     }
 

@@ -213,7 +213,7 @@ fn all_transport_failures_give_502_with_attempts() {
     let attempts = j["error"]["diagnostics"]["attempts"].as_array().unwrap();
     assert_eq!(attempts.len(), 1);
     assert_eq!(attempts[0]["provider"], "dead");
-    assert_eq!(attempts[0]["reason"], "connect");
+    assert_eq!(attempts[0]["reason"], "transport");
     assert_eq!(r.header("x-sluice-attempts"), Some("1"));
 }
 

@@ -6,6 +6,8 @@
 //! With no token configured every `/api/*` call answers 401. Responses never contain
 //! credentials: connections are listed by id only.
 
+pub mod resilience;
+
 use crate::engine::Engine;
 use async_trait::async_trait;
 use http::Response;
@@ -14,6 +16,9 @@ use pingora::protocols::http::ServerSession;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use std::sync::Arc;
+
+/// Admin request bodies are small JSON documents.
+const MAX_ADMIN_BODY: usize = 64 * 1024;
 
 pub struct AdminApp {
     engine: Arc<Engine>,
@@ -44,6 +49,13 @@ impl AdminApp {
         let c = &snap.config;
         json!({
             "source": c.source.display().to_string(),
+            "generation": snap.generation,
+            "last_reload": self.engine.reload.status(),
+            "rules": {
+                "dir": c.rules_dir.display().to_string(),
+                "restatement": snap.rules.restatement_count(),
+                "classification": snap.rules.classification_count(),
+            },
             "providers": c.providers.iter().map(|p| json!({
                 "id": p.id,
                 "api": p.api.as_str(),
@@ -52,6 +64,7 @@ impl AdminApp {
                 "connections": p.connections.iter().map(|c| json!({
                     "id": c.id,
                     "credential": if c.key.is_some() { "set" } else { "none" },
+                    "bucket": c.bucket,
                 })).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),
             "models": c.models.iter().map(|m| json!({
@@ -69,6 +82,81 @@ impl AdminApp {
             "max_body_bytes": c.server.max_body_bytes,
         })
     }
+
+    async fn api(&self, method: &str, path: &str, query: &str, body: &[u8]) -> Response<Vec<u8>> {
+        use resilience as r;
+        let e = &self.engine;
+        let result: Result<Value, (u16, String)> = match (method, path) {
+            ("GET", "/api/config") => Ok(self.config_status()),
+            ("POST", "/api/config/reload") => match e.reload_now("admin") {
+                Ok(generation) => Ok(
+                    json!({"ok": true, "generation": generation, "last_reload": e.reload.status()}),
+                ),
+                Err(error) => Err((422, error)),
+            },
+            ("GET", "/api/monitoring/health") => Ok(r::health(e)),
+            ("POST", "/api/resilience/reset") => r::reset(e, body).await.map_err(|m| (400, m)),
+            ("GET", "/api/resilience/cooldowns") => {
+                Ok(r::cooldowns(e, query_param(query, "provider").as_deref()))
+            }
+            ("POST", "/api/resilience/cooldowns") => {
+                r::clear_cooldowns(e, body).await.map_err(|m| (400, m))
+            }
+            ("GET", "/api/resilience/model-cooldowns") => Ok(r::model_cooldowns(e)),
+            ("DELETE", "/api/resilience/model-cooldowns") => r::delete_model_cooldown(e, body)
+                .await
+                .map_err(|m| (400, m)),
+            ("GET", "/api/routes/explain") => match query_param(query, "model") {
+                None => Err((400, "give ?model=NAME".into())),
+                Some(m) => e.explain(&m).ok_or((404, format!("unknown model {m:?}"))),
+            },
+            _ => Err((404, format!("no admin route {method} {path}"))),
+        };
+        match result {
+            Ok(v) => json_response(200, v),
+            Err((status, message)) => error(
+                status,
+                if status == 404 {
+                    "not_found"
+                } else {
+                    "invalid_request"
+                },
+                &message,
+            ),
+        }
+    }
+}
+
+/// One query parameter, percent-decoded.
+fn query_param(query: &str, name: &str) -> Option<String> {
+    query.split('&').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k == name).then(|| percent_decode(v))
+    })
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < b.len() => {
+                match u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("zz"), 16)
+                {
+                    Ok(v) => {
+                        out.push(v);
+                        i += 2;
+                    }
+                    Err(_) => out.push(b'%'),
+                }
+            }
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 fn respond(status: u16, content_type: &str, body: Vec<u8>) -> Response<Vec<u8>> {
@@ -92,21 +180,53 @@ fn error(status: u16, code: &str, message: &str) -> Response<Vec<u8>> {
     json_response(status, json!({"error": {"code": code, "message": message}}))
 }
 
+async fn read_body(session: &mut ServerSession) -> Result<Vec<u8>, String> {
+    let mut buf = Vec::new();
+    loop {
+        match session.read_request_body().await {
+            Ok(Some(chunk)) => {
+                if buf.len() + chunk.len() > MAX_ADMIN_BODY {
+                    return Err(format!(
+                        "admin request bodies are limited to {MAX_ADMIN_BODY} bytes"
+                    ));
+                }
+                buf.extend_from_slice(&chunk);
+            }
+            Ok(None) => return Ok(buf),
+            Err(e) => return Err(format!("cannot read the request body: {e}")),
+        }
+    }
+}
+
 #[async_trait]
 impl ServeHttp for AdminApp {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
-        // Admin bodies are small JSON documents; drain whatever was sent.
-        let _ = session.drain_request_body().await;
         let method = session.req_header().method.as_str().to_string();
         let path = session.req_header().uri.path().to_string();
+        let query = session.req_header().uri.query().unwrap_or("").to_string();
+        let body = match read_body(session).await {
+            Ok(b) => b,
+            Err(m) => return error(413, "body_too_large", &m),
+        };
         match (method.as_str(), path.as_str()) {
             ("GET", "/health") => json_response(200, json!({"status": "ok"})),
-            ("GET", "/ready") => json_response(200, json!({"ready": true, "config": "loaded"})),
+            ("GET", "/ready") => {
+                let store = if self.engine.store.is_some() {
+                    "open"
+                } else {
+                    "memory"
+                };
+                json_response(
+                    200,
+                    json!({"ready": true, "config": "loaded", "store": store}),
+                )
+            }
             ("GET", "/metrics") => {
                 let protect = self.engine.snapshot().config.admin.protect_metrics;
                 if protect && !self.authorized(session) {
                     return error(401, "unauthorized", "admin token required");
                 }
+                self.engine.refresh_gauges();
                 respond(
                     200,
                     "text/plain; version=0.0.4",
@@ -117,12 +237,26 @@ impl ServeHttp for AdminApp {
                 if !self.authorized(session) {
                     return error(401, "unauthorized", "missing or wrong admin token");
                 }
-                match (method.as_str(), p) {
-                    ("GET", "/api/config") => json_response(200, self.config_status()),
-                    _ => error(404, "not_found", &format!("no admin route {method} {p}")),
-                }
+                self.api(&method, &path, &query, &body).await
             }
             _ => error(404, "not_found", &format!("no admin route {method} {path}")),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_params_decode() {
+        assert_eq!(
+            query_param("model=gpt%2D4o&x=1", "model").as_deref(),
+            Some("gpt-4o")
+        );
+        assert_eq!(query_param("a=b+c", "a").as_deref(), Some("b c"));
+        assert_eq!(query_param("a=%zz", "a").as_deref(), Some("%zz"));
+        assert_eq!(query_param("a=%4", "a").as_deref(), Some("%4"));
+        assert_eq!(query_param("", "a"), None);
     }
 }

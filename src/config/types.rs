@@ -229,6 +229,8 @@ pub struct Resilience {
     pub stream: StreamGuards,
     pub watchdog: Watchdog,
     pub stream_stall_cooldown: bool,
+    /// `SLUICE_RATE_LIMIT_RESET_SECONDS`: fallback cooldown for rate limits without hints.
+    pub env_rate_limit_reset: Option<Duration>,
 }
 
 #[derive(Clone, Debug)]

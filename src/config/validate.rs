@@ -521,15 +521,10 @@ impl Validator<'_> {
                 .retry_delay
                 .as_ref()
                 .map(|t| self.duration(&join(&path, "retry_delay"), Some(t), Duration::ZERO));
-            for (set, field) in [
-                (
-                    raw.max_concurrent.is_some() || !raw.model_concurrency.is_empty(),
-                    "max_concurrent/model_concurrency",
-                ),
-                (raw.bucket.is_some(), "bucket"),
-                (raw.retry_delay.is_some(), "retry_delay"),
-                (raw.disable_cooling, "disable_cooling"),
-            ] {
+            for (set, field) in [(
+                raw.max_concurrent.is_some() || !raw.model_concurrency.is_empty(),
+                "max_concurrent/model_concurrency",
+            )] {
                 if set {
                     self.warn(
                         &join(&path, field),
@@ -772,7 +767,7 @@ impl Validator<'_> {
                         RESILIENCE_KEYS.join(", ")
                     ),
                 );
-            } else if !["stream", "queue"].contains(&k) {
+            } else if ["session_affinity", "combo_wait", "watchdog"].contains(&k) {
                 self.warn(
                     &format!("resilience.{k}"),
                     "accepted but not enforced yet in this version",
@@ -954,6 +949,19 @@ impl Validator<'_> {
             ),
             min_bytes_per_sec: w.min_bytes_per_sec.unwrap_or(8),
         };
+        let env_rate_limit_reset = match (self.env)("SLUICE_RATE_LIMIT_RESET_SECONDS") {
+            None => None,
+            Some(v) => match v.trim().parse::<u64>() {
+                Ok(n) if n > 0 => Some(Duration::from_secs(n)),
+                _ => {
+                    self.err(
+                        "env SLUICE_RATE_LIMIT_RESET_SECONDS",
+                        format!("{v:?} is not a positive number of seconds"),
+                    );
+                    None
+                }
+            },
+        };
         let stream_stall_cooldown = match map.get("stream_stall_cooldown") {
             None | Some(Value::Null) => false,
             Some(Value::Bool(b)) => *b,
@@ -986,6 +994,7 @@ impl Validator<'_> {
             stream,
             watchdog,
             stream_stall_cooldown,
+            env_rate_limit_reset,
         }
     }
 

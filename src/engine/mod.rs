@@ -1,31 +1,51 @@
-//! The engine: one shared object holding the config snapshot, routing state, metrics,
-//! the upstream connector and the resolver.
+//! The engine: one shared object holding the config snapshot, the keyed resilience
+//! state, metrics, the store writer, the upstream connector and the resolver.
 //!
-//! Config lives in an `ArcSwap<Snapshot>`; a request pins one snapshot at admission and
-//! keeps it to the end, so a later swap never changes a request half-way. Routing state
-//! is keyed by model index inside the snapshot, behind small mutexes that are held only
-//! for the synchronous pick, never across an `.await`.
+//! Config and rules live in an `ArcSwap<Snapshot>`; a request pins one snapshot at
+//! admission and keeps it to the end, so a reload never changes a request half-way.
+//! Resilience state lives in `Tables`, keyed by configured ids so it survives reloads.
+//! Locks are small and synchronous, never held across an `.await`; no request waits on
+//! the store except for the terminal states SPEC §7 requires to be durable first.
 
+pub mod judge;
+pub mod record;
+pub mod reload;
+pub mod select;
+pub mod state;
+
+use crate::clock::Clock;
 use crate::config::{Client, Config, Family};
 use crate::metrics::Metrics;
+use crate::policy::breaker::Permit;
+use crate::policy::cooldown::Eligibility;
+use crate::policy::{retry_after_secs, Millis};
 use crate::proxy::resolve::Resolver;
-use crate::routing::{ModelRouting, Offer};
+use crate::routing::ModelRouting;
+use crate::rules::RuleSet;
+use crate::store::StoreWriter;
 use arc_swap::ArcSwap;
 use pingora::connectors::http::Connector;
 use pingora::connectors::ConnectorOptions;
+use select::{breaker_config, Exclusion};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use state::{lock, Tables};
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-/// One immutable generation of config plus the routing state that belongs to it.
+/// One immutable generation of config and rules, plus the routing state that belongs to it.
 pub struct Snapshot {
     pub config: Config,
+    pub rules: Arc<RuleSet>,
+    pub generation: u64,
     models: HashMap<String, usize>,
     clients: HashMap<String, usize>,
     routing: Vec<Mutex<ModelRouting>>,
 }
 
 impl Snapshot {
-    pub fn new(config: Config) -> Self {
+    pub fn new(config: Config, rules: Arc<RuleSet>, generation: u64) -> Self {
         let models = config
             .models
             .iter()
@@ -46,6 +66,8 @@ impl Snapshot {
             .collect();
         Self {
             config,
+            rules,
+            generation,
             models,
             clients,
             routing,
@@ -58,7 +80,6 @@ impl Snapshot {
 
     /// The client owning `key`, looked up by the key's SHA-256.
     pub fn client_by_key(&self, key: &str) -> Option<&Client> {
-        use sha2::{Digest, Sha256};
         let h = hex::encode(Sha256::digest(key.as_bytes()));
         let i = *self.clients.get(&h)?;
         self.config.clients.as_ref()?.get(i)
@@ -76,13 +97,15 @@ impl Snapshot {
 /// What one request has already tried, so later attempts go elsewhere.
 #[derive(Debug, Default, Clone)]
 pub struct Tried {
-    /// (provider, connection) pairs that failed this request.
+    /// (provider, connection) pairs that failed at connection scope.
     pub connections: Vec<(usize, usize)>,
-    /// Providers that failed at provider level (transport, 408, 5xx) this request.
+    /// Providers that failed at provider scope (transport, 408, 5xx).
     pub providers: Vec<usize>,
+    /// Targets that failed at model scope (e.g. 404).
+    pub targets: Vec<usize>,
 }
 
-/// The outcome of selection for one attempt.
+/// The chosen target and connection of one attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pick {
     pub target: usize,
@@ -90,23 +113,59 @@ pub struct Pick {
     pub connection: usize,
 }
 
+/// The outcome of the select phase.
+#[derive(Debug)]
+pub enum Selection {
+    Picked {
+        pick: Pick,
+        probe: bool,
+    },
+    /// Nothing runnable; every candidate that was considered, with its reason.
+    Empty(Vec<Exclusion>),
+}
+
+/// SHA-256 prefix of a credential: lets a reload notice a changed key without storing it.
+pub fn fingerprint(secret: &str) -> String {
+    hex::encode(&Sha256::digest(secret.as_bytes())[..8])
+}
+
 pub struct Engine {
     snapshot: ArcSwap<Snapshot>,
+    pub tables: Tables,
     pub metrics: Metrics,
     pub resolver: Resolver,
     pub connector: Connector,
+    pub store: Option<StoreWriter>,
+    clock: Arc<dyn Clock>,
+    pub reload: reload::ReloadState,
 }
 
 impl Engine {
-    pub fn new(config: Config, metrics: Metrics) -> Arc<Self> {
+    pub fn new(
+        config: Config,
+        rules: RuleSet,
+        metrics: Metrics,
+        store: Option<StoreWriter>,
+        clock: Arc<dyn Clock>,
+        config_path: Option<PathBuf>,
+    ) -> Arc<Self> {
         let mut opts = ConnectorOptions::new(256);
         opts.keepalive_pool_size = 1024;
+        let now = clock.now_ms();
         Arc::new(Self {
-            snapshot: ArcSwap::from_pointee(Snapshot::new(config)),
+            snapshot: ArcSwap::from_pointee(Snapshot::new(config, Arc::new(rules), 1)),
+            tables: Tables::default(),
             metrics,
             resolver: Resolver::default(),
             connector: Connector::new(Some(opts)),
+            store,
+            clock,
+            reload: reload::ReloadState::new(config_path, now),
         })
+    }
+
+    pub fn now(&self) -> Millis {
+        self.clock.now_ms()
     }
 
     /// The current snapshot; a request keeps the `Arc` it got here until it ends.
@@ -114,13 +173,11 @@ impl Engine {
         self.snapshot.load_full()
     }
 
-    /// Replaces the snapshot in one step (used by reload).
-    pub fn swap(&self, config: Config) {
-        self.snapshot.store(Arc::new(Snapshot::new(config)));
+    fn swap(&self, snap: Snapshot) {
+        self.snapshot.store(Arc::new(snap));
     }
 
-    /// Chooses the target and connection for the next attempt, or `None` when nothing
-    /// eligible is left for this request.
+    /// Select phase for one attempt: evaluate, pick, take the breaker permit.
     pub fn select(
         &self,
         snap: &Snapshot,
@@ -129,40 +186,135 @@ impl Engine {
         client: Option<&Client>,
         tried: &Tried,
         random: f64,
-    ) -> Option<Pick> {
-        let cfg = &snap.config;
-        let m = &cfg.models[model];
-        let mut offers: Vec<Offer> = Vec::with_capacity(m.targets.len());
-        let mut conns: Vec<Vec<usize>> = Vec::with_capacity(m.targets.len());
-        for (ti, t) in m.targets.iter().enumerate() {
-            let p = &cfg.providers[t.provider];
-            if p.api != family || tried.providers.contains(&t.provider) {
-                continue;
+    ) -> Selection {
+        let now = self.now();
+        let mut tried = tried.clone();
+        loop {
+            let eval = select::evaluate(&self.tables, snap, model, family, client, &tried, now);
+            let Some(c) = select::pick(snap, model, &eval.candidates, random) else {
+                return Selection::Empty(eval.excluded);
+            };
+            let bcfg = breaker_config(snap, c.provider);
+            let entry = self.tables.provider(&snap.config.providers[c.provider].id);
+            let (permit, transition) = lock(&entry).breaker.permit(&bcfg, now);
+            if let Some(t) = transition {
+                self.note_transition(&snap.config.providers[c.provider].id, t);
             }
-            let offered: Vec<usize> = (0..p.connections.len())
-                .filter(|ci| t.connection.is_none_or(|pin| pin == *ci))
-                .filter(|ci| !tried.connections.contains(&(t.provider, *ci)))
-                .filter(|ci| client_allows(client, &p.id, &p.connections[*ci].id))
-                .collect();
-            if offered.is_empty() {
-                continue;
+            let pick = Pick {
+                target: c.target,
+                provider: c.provider,
+                connection: c.connection,
+            };
+            match permit {
+                Permit::Allow => return Selection::Picked { pick, probe: false },
+                Permit::Probe => return Selection::Picked { pick, probe: true },
+                // Another request took the HALF_OPEN probe between evaluate and now.
+                Permit::Deny { .. } => tried.providers.push(c.provider),
             }
-            offers.push(Offer {
-                target: ti,
-                weight: t.weight,
-                cost: t.cost,
-            });
-            conns.push(offered);
         }
-        let mut routing = snap.routing[model].lock().ok()?;
-        let target = routing.pick(m.strategy, &offers, random)?;
-        let slot = offers.iter().position(|o| o.target == target)?;
-        let connection = routing.pick_connection(target, &conns[slot])?;
-        Some(Pick {
-            target,
-            provider: m.targets[target].provider,
-            connection,
-        })
+    }
+
+    /// Dry run of selection for `GET /api/routes/explain`.
+    pub fn explain(&self, model_name: &str) -> Option<Value> {
+        let snap = self.snapshot();
+        let model = snap.model_index(model_name)?;
+        let now = self.now();
+        let m = &snap.config.models[model];
+        let mut families = Vec::new();
+        for family in [Family::OpenAi, Family::Anthropic] {
+            if !snap.serves_family(model, family) {
+                continue;
+            }
+            let eval = select::evaluate(
+                &self.tables,
+                &snap,
+                model,
+                family,
+                None,
+                &Tried::default(),
+                now,
+            );
+            let candidates: Vec<Value> = eval
+                .candidates
+                .iter()
+                .map(|c| {
+                    let t = &m.targets[c.target];
+                    let p = &snap.config.providers[c.provider];
+                    json!({
+                        "provider": p.id,
+                        "connection": p.connections[c.connection].id,
+                        "model": t.model,
+                        "weight": t.weight,
+                        "cost": t.cost,
+                        "breaker": c.breaker.as_str(),
+                    })
+                })
+                .collect();
+            let excluded: Vec<Value> = eval.excluded.iter().map(|e| e.json(now)).collect();
+            families.push(
+                json!({"family": family.as_str(), "candidates": candidates, "excluded": excluded}),
+            );
+        }
+        Some(json!({"model": m.name, "strategy": m.strategy.as_str(), "families": families}))
+    }
+
+    /// Derives the state gauges from the tables at scrape time (lazy expiry included).
+    pub fn refresh_gauges(&self) {
+        let now = self.now();
+        let snap = self.snapshot();
+        let m = &self.metrics;
+        for p in &snap.config.providers {
+            let bcfg = breaker_config(
+                &snap,
+                snap.config
+                    .providers
+                    .iter()
+                    .position(|x| x.id == p.id)
+                    .unwrap_or(0),
+            );
+            let state = self
+                .tables
+                .provider_if_any(&p.id)
+                .map(|e| lock(&e).breaker.state(&bcfg, now))
+                .unwrap_or(crate::policy::breaker::BreakerState::Closed);
+            m.breaker_state
+                .with_label_values(&[p.id.as_str()])
+                .set(state.gauge());
+            for c in &p.connections {
+                let (cooling, terminal) = match self.tables.connection_if_any(&p.id, &c.id) {
+                    Some(e) => match lock(&e).state.eligibility(now) {
+                        Eligibility::Eligible => (0, None),
+                        Eligibility::Cooling { .. } => (1, None),
+                        Eligibility::Terminal(t) => (0, Some(t)),
+                    },
+                    None => (0, None),
+                };
+                m.connection_cooling
+                    .with_label_values(&[p.id.as_str(), c.id.as_str()])
+                    .set(cooling);
+                for t in [
+                    crate::policy::TerminalState::Banned,
+                    crate::policy::TerminalState::Expired,
+                    crate::policy::TerminalState::CreditsExhausted,
+                ] {
+                    m.connection_terminal
+                        .with_label_values(&[p.id.as_str(), c.id.as_str(), t.as_str()])
+                        .set(i64::from(terminal == Some(t)));
+                }
+            }
+        }
+        m.model_lockouts_active
+            .set(self.tables.lockouts_active(now).len() as i64);
+    }
+
+    /// `Retry-After` seconds for the soonest-lifting timer exclusion.
+    pub fn soonest(excluded: &[Exclusion], now: Millis) -> Option<u64> {
+        excluded
+            .iter()
+            .filter(|e| e.reason.is_timer())
+            .filter_map(|e| e.until)
+            .min()
+            .map(|u| retry_after_secs(u, now))
     }
 }
 

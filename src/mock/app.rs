@@ -11,6 +11,8 @@
 //! drops the connection instead. A stream that loses its client mid-way (write failure,
 //! or the client closing while the mock waits between chunks or stalls) counts once in
 //! `streams_aborted`; one that writes its terminator counts once in `streams_completed`.
+//! Because "the client closed" is detected by reading, a client that half-closes its
+//! sending side after the request is treated as gone; HTTP clients in practice do not.
 
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -202,7 +204,10 @@ impl MockApp {
                     }
                 }
             }
-            None => self.fault.take(),
+            None => {
+                let cred = credential(session.req_header()).map(str::to_string);
+                self.fault.take(cred.as_deref(), || body_model(&body))
+            }
         };
         let fault = fault.as_deref();
 
@@ -458,6 +463,15 @@ async fn pause(session: &mut ServerSession, d: Duration) -> bool {
 }
 
 /// The caller's credential: a Bearer token, another Authorization value, or x-api-key.
+/// The `model` of a JSON request body, if it has one.
+fn body_model(body: &[u8]) -> Option<String> {
+    #[derive(Deserialize)]
+    struct M {
+        model: Option<String>,
+    }
+    serde_json::from_slice::<M>(body).ok()?.model
+}
+
 fn credential(req: &RequestHeader) -> Option<&str> {
     if let Some(v) = req
         .headers

@@ -42,6 +42,11 @@ pub struct Fault {
     pub reset_after: Option<u32>,
     /// Budget for the process fault: it clears itself after this many requests.
     pub times: Option<u64>,
+    /// Only requests presenting this credential are affected (others pass untouched
+    /// and do not spend `times`), so one key of several can be made to fail.
+    pub credential: Option<String>,
+    /// Only requests whose JSON body names this `model` are affected.
+    pub model: Option<String>,
 }
 
 impl Fault {
@@ -65,8 +70,18 @@ impl Fault {
     pub fn is_empty(&self) -> bool {
         Fault {
             times: None,
+            credential: None,
+            model: None,
             ..self.clone()
         } == Fault::default()
+    }
+
+    /// Whether this fault applies to a request with `credential` and body `model`.
+    pub fn matches(&self, credential: Option<&str>, model: Option<&str>) -> bool {
+        self.credential
+            .as_deref()
+            .is_none_or(|c| Some(c) == credential)
+            && self.model.as_deref().is_none_or(|m| Some(m) == model)
     }
 
     fn apply(&mut self, key: &str, value: &str) -> Result<(), String> {
@@ -103,6 +118,8 @@ impl Fault {
             "chunk_interval" => set_once(&mut self.chunk_interval, key, duration(key, value)?),
             "stall_after" => set_once(&mut self.stall_after, key, number(key, value)?),
             "reset_after" => set_once(&mut self.reset_after, key, number(key, value)?),
+            "credential" => set_once(&mut self.credential, key, value.to_string()),
+            "model" => set_once(&mut self.model, key, value.to_string()),
             "times" => {
                 let n: u64 = number(key, value)?;
                 if n == 0 {
@@ -112,7 +129,8 @@ impl Fault {
             }
             other => Err(format!(
                 "fault spec: unknown key `{other}` (known: status, body, retry_after, header, \
-                 latency, first_byte_delay, chunks, chunk_interval, stall_after, reset_after, times)"
+                 latency, first_byte_delay, chunks, chunk_interval, stall_after, reset_after, times, \
+                 credential, model)"
             )),
         }
     }
@@ -166,6 +184,12 @@ impl std::fmt::Display for Fault {
         }
         if let Some(t) = self.times {
             parts.push(format!("times={t}"));
+        }
+        if let Some(c) = &self.credential {
+            parts.push(format!("credential={c}"));
+        }
+        if let Some(m) = &self.model {
+            parts.push(format!("model={m}"));
         }
         f.write_str(&parts.join(";"))
     }
@@ -236,13 +260,22 @@ impl FaultSlot {
         }
     }
 
-    /// Takes the fault for one request, spending one unit of its `times` budget.
-    pub fn take(&self) -> Option<Arc<Fault>> {
+    /// Takes the fault for one request (if its conditions match), spending one unit of
+    /// its `times` budget.
+    pub fn take(
+        &self,
+        credential: Option<&str>,
+        model: impl FnOnce() -> Option<String>,
+    ) -> Option<Arc<Fault>> {
         if !self.armed.load(Ordering::Acquire) {
             return None;
         }
         let mut g = self.slot.lock().unwrap_or_else(|e| e.into_inner());
         let (fault, remaining) = g.as_mut()?;
+        let model = if fault.model.is_some() { model() } else { None };
+        if !fault.matches(credential, model.as_deref()) {
+            return None;
+        }
         let fault = fault.clone();
         if let Some(n) = remaining {
             *n = n.saturating_sub(1);
@@ -329,10 +362,10 @@ mod tests {
     fn slot_spends_times_budget_exactly() {
         let slot = FaultSlot::default();
         slot.set(Fault::parse("status=500;times=2").unwrap());
-        assert!(slot.take().is_some());
+        assert!(slot.take(None, || None).is_some());
         assert_eq!(slot.describe().as_deref(), Some("status=500;times=1"));
-        assert!(slot.take().is_some());
-        assert!(slot.take().is_none());
+        assert!(slot.take(None, || None).is_some());
+        assert!(slot.take(None, || None).is_none());
         assert!(slot.describe().is_none());
     }
 
@@ -341,9 +374,28 @@ mod tests {
         let slot = FaultSlot::default();
         slot.set(Fault::parse("status=503").unwrap());
         for _ in 0..5 {
-            assert_eq!(slot.take().unwrap().status, Some(503));
+            assert_eq!(slot.take(None, || None).unwrap().status, Some(503));
         }
         slot.set(Fault::default());
-        assert!(slot.take().is_none());
+        assert!(slot.take(None, || None).is_none());
+    }
+
+    #[test]
+    fn conditional_fault_only_hits_matching_requests() {
+        let slot = FaultSlot::default();
+        slot.set(Fault::parse("status=429;credential=key-1;model=alpha;times=1").unwrap());
+        assert!(slot.take(Some("key-2"), || Some("alpha".into())).is_none());
+        assert!(slot.take(Some("key-1"), || Some("beta".into())).is_none());
+        assert!(slot.take(None, || None).is_none());
+        let hit = slot.take(Some("key-1"), || Some("alpha".into())).unwrap();
+        assert_eq!(hit.status, Some(429));
+        // The budget was spent only by the matching request.
+        assert!(slot.take(Some("key-1"), || Some("alpha".into())).is_none());
+        assert_eq!(
+            Fault::parse("status=500;credential=k;model=m")
+                .unwrap()
+                .to_string(),
+            "status=500;credential=k;model=m"
+        );
     }
 }

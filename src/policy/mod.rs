@@ -6,6 +6,14 @@
 //! enum), never as an error. All recovery is lazy: readers compare stored deadlines with
 //! `now`; no policy needs a background timer to become eligible again.
 
+pub mod breaker;
+pub mod classify;
+pub mod window_gate;
+
+pub mod cooldown;
+pub mod lockout;
+pub mod retry_hint;
+
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;

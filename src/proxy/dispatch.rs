@@ -19,8 +19,13 @@ use super::sse::SseProgress;
 use super::upstream;
 use super::RequestCtx;
 use crate::config::{Client, Family};
-use crate::engine::{Engine, Pick, Snapshot, Tried};
+use crate::engine::judge::Verdict;
+use crate::engine::record::{AttemptInfo, Outcome};
+use crate::engine::select::Exclusion;
+use crate::engine::{Engine, Pick, Selection, Snapshot, Tried};
 use crate::error::ClientError;
+use crate::policy::classify::TransportKind;
+use crate::policy::{retry_after_secs, Scope};
 use bytes::{Bytes, BytesMut};
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::HttpPeer;
@@ -81,7 +86,7 @@ enum Attempt {
     /// Upstream answered ≥ 400 before anything was committed.
     Http(Box<HeldError>),
     /// Connect / write / read failure or TTFT timeout before commit.
-    Transport(&'static str),
+    Transport(TransportKind, &'static str),
     ClientGone,
     Deadline,
 }
@@ -116,14 +121,6 @@ async fn race<F: Future>(
     }
 }
 
-fn retryable(status: u16) -> bool {
-    status == 408 || status == 429 || (500..=599).contains(&status)
-}
-
-fn provider_level(status: u16) -> bool {
-    status == 408 || (500..=599).contains(&status)
-}
-
 /// Runs attempts until one commits, a non-retryable answer arrives, or none are left;
 /// always leaves a complete response on `session`.
 pub async fn run(
@@ -134,18 +131,30 @@ pub async fn run(
     let cfg = &r.snap.config;
     let max = cfg.server.max_attempts;
     let mut tried = Tried::default();
-    let mut held: Option<HeldError> = None;
+    let mut held: Option<(HeldError, Verdict)> = None;
+    let mut excluded: Vec<Exclusion> = Vec::new();
     for attempt_no in 1..=max {
         let random: f64 = rand::random();
-        let Some(pick) = r
+        let (pick, probe) = match r
             .engine
             .select(r.snap, r.model, r.family, r.client, &tried, random)
-        else {
-            break;
+        {
+            Selection::Picked { pick, probe } => (pick, probe),
+            Selection::Empty(ex) => {
+                excluded = ex;
+                break;
+            }
         };
         ctx.attempts = attempt_no as u32;
         ctx.pick = Some(names(r, pick));
-        let outcome = attempt(session, r, pick, ctx).await;
+        let info = AttemptInfo {
+            snap: r.snap,
+            model: r.model,
+            pick,
+            started: r.engine.now(),
+            probe,
+        };
+        let outcome = attempt(session, r, &info, ctx).await;
         let (pname, cname, mname) = names(r, pick);
         let metric = |outcome: &str| {
             r.engine
@@ -154,83 +163,137 @@ pub async fn run(
                 .with_label_values(&[pname.as_str(), cname.as_str(), outcome])
                 .inc();
         };
-        match outcome {
+        let verdict = match outcome {
             Attempt::Done => {
                 metric("ok");
                 return Ok(());
             }
             Attempt::ClientGone => {
                 metric("final_error");
+                r.engine.record(&info, Outcome::Abandoned);
                 ctx.status = 499;
                 ctx.note = Some("client_gone");
                 return Ok(());
             }
             Attempt::Deadline => {
                 metric("final_error");
+                r.engine.record(&info, Outcome::Abandoned);
                 return deadline_error(session, r, ctx).await;
             }
-            Attempt::Transport(reason) => {
+            Attempt::Transport(kind, what) => {
                 metric("transport");
+                let v = r.engine.judge_transport(&info, kind, what);
                 ctx.records.push(AttemptRecord {
                     provider: pname,
                     connection: cname,
                     model: mname,
                     status: None,
-                    reason,
+                    reason: v.class.reason.as_str(),
                 });
                 tried.providers.push(pick.provider);
+                v
             }
             Attempt::Http(err) => {
-                let status = err.header.status.as_u16();
-                let again = retryable(status) && attempt_no < max;
+                let v = r.engine.judge_http(
+                    &info,
+                    err.header.status.as_u16(),
+                    &err.header.headers,
+                    &err.body,
+                );
+                let again = v.class.retryable && attempt_no < max;
                 metric(if again { "failover" } else { "final_error" });
                 ctx.records.push(AttemptRecord {
                     provider: pname,
                     connection: cname,
                     model: mname,
-                    status: Some(status),
-                    reason: if provider_level(status) {
-                        "server_error"
-                    } else if status == 429 {
-                        "rate_limited"
-                    } else {
-                        "client_error"
-                    },
+                    status: Some(v.status),
+                    reason: v.class.reason.as_str(),
                 });
-                if !retryable(status) {
-                    return pass_through(session, r, *err, ctx).await;
+                commit_urgent(r, &v).await;
+                if !v.class.retryable {
+                    return pass_through(session, r, *err, &v, ctx).await;
                 }
-                if provider_level(status) {
-                    tried.providers.push(pick.provider);
-                } else {
-                    tried.connections.push((pick.provider, pick.connection));
+                match v.class.scope {
+                    Scope::Provider => tried.providers.push(pick.provider),
+                    Scope::Model => tried.targets.push(pick.target),
+                    Scope::Connection | Scope::Request => {
+                        tried.connections.push((pick.provider, pick.connection))
+                    }
                 }
-                held = Some(*err);
+                held = Some((*err, v));
+                continue;
             }
-        }
+        };
+        commit_urgent(r, &verdict).await;
     }
-    if let Some(err) = held {
-        return pass_through(session, r, err, ctx).await;
+    if let Some((err, v)) = held {
+        return pass_through(session, r, err, &v, ctx).await;
     }
-    if ctx.records.is_empty() {
+    if !ctx.records.is_empty() {
+        let attempts: Vec<_> = ctx.records.iter().map(AttemptRecord::json).collect();
         let e = ClientError::new(
-            404,
-            "no_executable_targets",
-            format!(
-                "model {:?} has no target this client may use",
-                cfg.models[r.model].name
-            ),
-        );
+            502,
+            "upstream_unavailable",
+            "every upstream attempt failed on transport errors",
+        )
+        .with_extra("diagnostics", json!({ "attempts": attempts }));
         return finish_error(session, r.family, e, ctx).await;
     }
-    let attempts: Vec<_> = ctx.records.iter().map(AttemptRecord::json).collect();
-    let e = ClientError::new(
-        502,
-        "upstream_unavailable",
-        "every upstream attempt failed on transport errors",
-    )
-    .with_extra("diagnostics", json!({ "attempts": attempts }));
-    finish_error(session, r.family, e, ctx).await
+    nothing_runnable(session, r, &excluded, ctx).await
+}
+
+/// Terminal states are durable before the response that reveals them (SPEC §7).
+async fn commit_urgent(r: &Request<'_>, v: &Verdict) {
+    if v.urgent.is_empty() {
+        return;
+    }
+    if let Some(store) = &r.engine.store {
+        if let Err(e) = store.commit_now(v.urgent.clone()).await {
+            tracing::error!(error = %e, "could not persist a terminal state");
+        }
+    }
+}
+
+/// No candidate could run at all: 503 when only timers stand in the way, else 404.
+async fn nothing_runnable(
+    session: &mut Session,
+    r: &Request<'_>,
+    excluded: &[Exclusion],
+    ctx: &mut RequestCtx,
+) -> pingora::Result<()> {
+    let now = r.engine.now();
+    let model = &r.snap.config.models[r.model].name;
+    for e in excluded {
+        tracing::warn!(
+            model = %model,
+            provider = %e.provider,
+            connection = %e.connection,
+            upstream_model = %e.model,
+            reason = e.reason.as_str(),
+            remaining_s = e.until.map(|u| retry_after_secs(u, now)).unwrap_or(0),
+            "target excluded"
+        );
+    }
+    let list: Vec<_> = excluded.iter().map(|e| e.json(now)).collect();
+    let err = match Engine::soonest(excluded, now) {
+        Some(secs) => {
+            let mut e = ClientError::new(
+                503,
+                "all_targets_cooling_down",
+                format!("every target of model {model:?} is cooling down; retry in {secs}s"),
+            )
+            .with_extra("diagnostics", json!({ "excluded": list }));
+            e.retry_after = Some(secs);
+            e
+        }
+        None => ClientError::new(
+            404,
+            "no_executable_targets",
+            format!("model {model:?} has no target that can run"),
+        )
+        .with_extra("diagnostics", json!({ "excluded": list })),
+    };
+    finish_error(session, r.family, err, ctx).await
 }
 
 fn names(r: &Request<'_>, pick: Pick) -> (String, String, String) {
@@ -280,20 +343,28 @@ async fn deadline_error(
     finish_error(session, r.family, e, ctx).await
 }
 
-/// Passes a held upstream error to the client, with its own status, headers and body.
+/// Passes a held upstream error to the client: its headers and body, the restated
+/// status if a rule applied, and a normalised `Retry-After`.
 async fn pass_through(
     session: &mut Session,
     r: &Request<'_>,
     err: HeldError,
+    v: &Verdict,
     ctx: &mut RequestCtx,
 ) -> pingora::Result<()> {
     ctx.pick = Some(names(r, err.pick));
-    ctx.status = err.header.status.as_u16();
+    ctx.status = v.status;
     let h2 = session.downstream_session.is_http2();
     let mut h = upstream::response_header(&err.header, h2, &sluice_headers(ctx))?;
+    if v.status != err.header.status.as_u16() {
+        h.set_status(v.status)?;
+    }
     h.remove_header("transfer-encoding");
     h.remove_header("content-encoding");
     h.insert_header("content-length", err.body.len())?;
+    if let Some(secs) = v.retry_after {
+        h.insert_header("retry-after", secs.to_string())?;
+    }
     session.write_response_header(Box::new(h), false).await?;
     session.write_response_body(Some(err.body), true).await?;
     Ok(())
@@ -320,9 +391,10 @@ impl Drop for Inflight {
 async fn attempt(
     session: &mut Session,
     r: &Request<'_>,
-    pick: Pick,
+    info: &AttemptInfo<'_>,
     ctx: &mut RequestCtx,
 ) -> Attempt {
+    let pick = info.pick;
     let cfg = &r.snap.config;
     let provider = &cfg.providers[pick.provider];
     let conn = &provider.connections[pick.connection];
@@ -350,7 +422,7 @@ async fn attempt(
         .await
     {
         Ok(a) => a,
-        Err(_) => return Attempt::Transport("dns"),
+        Err(_) => return Attempt::Transport(TransportKind::Connect, "dns lookup failed"),
     };
     let peer = build_peer(r, pick, addr);
     let mut up = match race(
@@ -362,7 +434,7 @@ async fn attempt(
     .await
     {
         Wait::Ready(Ok((s, _reused))) => s,
-        Wait::Ready(Err(_)) => return Attempt::Transport("connect"),
+        Wait::Ready(Err(_)) => return Attempt::Transport(TransportKind::Connect, "connect failed"),
         Wait::TimedOut => return Attempt::Deadline,
         Wait::ClientGone => return Attempt::ClientGone,
     };
@@ -370,7 +442,7 @@ async fn attempt(
     // write the request
     let body = r.body.with_model(&target.model);
     let Ok(req) = upstream::request_header(r.header, provider, conn, body.len()) else {
-        return Attempt::Transport("request_header");
+        return Attempt::Transport(TransportKind::Reset, "cannot build the upstream request");
     };
     let send = async {
         up.write_request_header(Box::new(req)).await?;
@@ -402,12 +474,14 @@ async fn attempt(
     };
     match race(session, &mut watching, first_byte_limit(sent_at), send).await {
         Wait::Ready(Ok(())) => {}
-        Wait::Ready(Err(_)) => return Attempt::Transport("upstream_io"),
+        Wait::Ready(Err(_)) => {
+            return Attempt::Transport(TransportKind::Reset, "upstream connection failed")
+        }
         Wait::TimedOut => return timed_out(r),
         Wait::ClientGone => return Attempt::ClientGone,
     }
     let Some(up_header) = up.response_header().cloned() else {
-        return Attempt::Transport("upstream_io");
+        return Attempt::Transport(TransportKind::Reset, "upstream connection failed");
     };
     let status = up_header.status.as_u16();
 
@@ -459,7 +533,9 @@ async fn attempt(
         .await
         {
             Wait::Ready(Ok(c)) => c,
-            Wait::Ready(Err(_)) => return Attempt::Transport("upstream_io"),
+            Wait::Ready(Err(_)) => {
+                return Attempt::Transport(TransportKind::Reset, "upstream connection failed")
+            }
             Wait::TimedOut => return timed_out(r),
             Wait::ClientGone => return Attempt::ClientGone,
         }
@@ -469,7 +545,7 @@ async fn attempt(
     ctx.status = status;
     let h2 = session.downstream_session.is_http2();
     let Ok(resp) = upstream::response_header(&up_header, h2, &sluice_headers(ctx)) else {
-        return Attempt::Transport("response_header");
+        return Attempt::Transport(TransportKind::Reset, "invalid upstream response header");
     };
     let is_sse = up_header
         .headers
@@ -484,6 +560,7 @@ async fn attempt(
         return Attempt::ClientGone;
     }
     ctx.ttfb = Some(ctx.started.elapsed());
+    r.engine.record(info, Outcome::Success);
     let Some(first) = first else {
         r.engine
             .connector
@@ -500,6 +577,14 @@ async fn attempt(
                 .await;
         }
         StreamEnd::Aborted(reason) => {
+            if reason == "stall" {
+                r.engine.record(
+                    info,
+                    Outcome::Stall {
+                        message: "stream stalled after commit",
+                    },
+                );
+            }
             r.engine
                 .metrics
                 .stream_aborts_total
@@ -516,7 +601,7 @@ fn timed_out(r: &Request<'_>) -> Attempt {
     if Instant::now() >= r.deadline {
         Attempt::Deadline
     } else {
-        Attempt::Transport("ttft_timeout")
+        Attempt::Transport(TransportKind::Timeout, "no first byte within ttft_timeout")
     }
 }
 

@@ -1,6 +1,6 @@
 //! Spawning the gateway binary on OS-chosen ports with a config written to a temp dir.
 
-use super::Proc;
+use super::{request, Proc, Response};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -35,6 +35,7 @@ pub struct Gateway {
     pub client: SocketAddr,
     pub admin: SocketAddr,
     pub dir: TempDir,
+    env: Vec<(String, String)>,
 }
 
 /// The admin token every test gateway is started with.
@@ -42,12 +43,24 @@ pub const ADMIN_TOKEN: &str = "test-admin-token";
 
 impl Gateway {
     /// Writes `yaml` (which should listen on 127.0.0.1:0) and starts the gateway on it.
+    /// `@DIR@` in the YAML is replaced by the gateway's private temp dir, where its
+    /// state file and rules directory live (see `server_section`).
     pub fn start(yaml: &str, env: &[(&str, &str)]) -> Gateway {
         let dir = TempDir::new("sluice-gw");
+        std::fs::create_dir_all(dir.0.join("rules")).expect("rules dir");
+        let yaml = yaml.replace("@DIR@", dir.0.to_str().expect("utf-8 path"));
+        std::fs::write(dir.0.join("sluice.yaml"), yaml).expect("write config");
+        let env = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Self::spawn(dir, env)
+    }
+
+    fn spawn(dir: TempDir, env: Vec<(String, String)>) -> Gateway {
         let path = dir.0.join("sluice.yaml");
-        std::fs::write(&path, yaml).expect("write config");
         let mut all_env = vec![("SLUICE_ADMIN_TOKEN", ADMIN_TOKEN), ("SLUICE_LOG", "error")];
-        all_env.extend_from_slice(env);
+        all_env.extend(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         let proc = Proc::spawn(
             env!("CARGO_BIN_EXE_sluice"),
             &["run", "--config", path.to_str().expect("utf-8 path")],
@@ -61,14 +74,70 @@ impl Gateway {
             client,
             admin,
             dir,
+            env,
         }
+    }
+
+    /// `kill -9` the gateway and start it again on the same config and state file.
+    pub fn crash_and_restart(mut self) -> Gateway {
+        self.proc.kill();
+        let dir = std::mem::replace(&mut self.dir, TempDir(PathBuf::new()));
+        let env = std::mem::take(&mut self.env);
+        Self::spawn(dir, env)
+    }
+
+    pub fn write_rules(&self, file: &str, text: &str) {
+        std::fs::write(self.dir.0.join("rules").join(file), text).expect("write rules");
+    }
+
+    pub fn rewrite_config(&self, yaml: &str) {
+        let yaml = yaml.replace("@DIR@", self.dir.0.to_str().expect("utf-8 path"));
+        std::fs::write(self.dir.0.join("sluice.yaml"), yaml).expect("write config");
+    }
+
+    fn admin(&self, method: &str, path: &str, body: &str) -> Response {
+        let auth = format!("Bearer {ADMIN_TOKEN}");
+        request(
+            self.admin,
+            method,
+            path,
+            &[
+                ("authorization", &auth),
+                ("content-type", "application/json"),
+            ],
+            body.as_bytes(),
+        )
+    }
+
+    pub fn admin_get(&self, path: &str) -> Response {
+        self.admin("GET", path, "")
+    }
+
+    pub fn admin_post(&self, path: &str, body: &str) -> Response {
+        self.admin("POST", path, body)
+    }
+
+    pub fn admin_delete(&self, path: &str, body: &str) -> Response {
+        self.admin("DELETE", path, body)
+    }
+
+    /// POSTs `body` to `/v1/chat/completions`.
+    pub fn chat(&self, body: &str) -> Response {
+        request(
+            self.client,
+            "POST",
+            "/v1/chat/completions",
+            &[("content-type", "application/json")],
+            body.as_bytes(),
+        )
     }
 }
 
-/// `server:` and `admin:` sections for a test config on OS-chosen ports.
+/// `server:`, `admin:`, `state:` and `rules_dir:` sections for a test config on
+/// OS-chosen ports, with state and rules in the gateway's temp dir.
 pub fn server_section(extra: &str) -> String {
     format!(
-        "server:\n  listen: \"127.0.0.1:0\"\n  admin_listen: \"127.0.0.1:0\"\n  threads: 1\n{extra}\nadmin:\n  token_env: SLUICE_ADMIN_TOKEN\n"
+        "server:\n  listen: \"127.0.0.1:0\"\n  admin_listen: \"127.0.0.1:0\"\n  threads: 1\n{extra}\nadmin:\n  token_env: SLUICE_ADMIN_TOKEN\nstate:\n  path: \"@DIR@/state.redb\"\nrules_dir: \"@DIR@/rules\"\n"
     )
 }
 

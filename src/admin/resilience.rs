@@ -1,0 +1,277 @@
+//! Admin operations on the resilience layers (SPEC §5.1, §5.3, §5.4, §8): read the
+//! state of breakers, cooldowns and lockouts, and the operator's resets. Output names
+//! connections by id only; credentials never appear.
+
+use crate::engine::state::{change, conn_key, lock};
+use crate::engine::Engine;
+use crate::policy::cooldown::{Cleared, Eligibility};
+use crate::policy::{retry_after_secs, Millis};
+use crate::store::{Change, Table};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::time::{Duration, UNIX_EPOCH};
+
+fn rfc3339(ms: Millis) -> String {
+    humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
+
+async fn persist(engine: &Engine, changes: Vec<Change>) {
+    if changes.is_empty() {
+        return;
+    }
+    if let Some(store) = &engine.store {
+        if let Err(e) = store.commit_now(changes).await {
+            tracing::error!(error = %e, "admin change not persisted");
+        }
+    }
+}
+
+/// `GET /api/monitoring/health`
+pub fn health(engine: &Engine) -> Value {
+    let snap = engine.snapshot();
+    let now = engine.now();
+    let providers: Vec<Value> = snap
+        .config
+        .providers
+        .iter()
+        .enumerate()
+        .map(|(pi, p)| {
+            let bcfg = crate::engine::select::breaker_config(&snap, pi);
+            let (state, failures, retry_at, reset, window) = match engine.tables.provider_if_any(&p.id) {
+                Some(e) => {
+                    let e = lock(&e);
+                    (
+                        e.breaker.state(&bcfg, now),
+                        e.breaker.failures(),
+                        e.breaker.retry_at(&bcfg, now),
+                        e.breaker.current_reset(&bcfg),
+                        e.window.cooling_until(now).filter(|_| snap.config.resilience.provider_cooldown_enabled),
+                    )
+                }
+                None => (crate::policy::breaker::BreakerState::Closed, 0, None, bcfg.reset, None),
+            };
+            let (mut eligible, mut cooling, mut terminal) = (0, 0, 0);
+            for c in &p.connections {
+                match engine.tables.connection_if_any(&p.id, &c.id).map(|e| lock(&e).state.eligibility(now)) {
+                    None | Some(Eligibility::Eligible) => eligible += 1,
+                    Some(Eligibility::Cooling { .. }) => cooling += 1,
+                    Some(Eligibility::Terminal(_)) => terminal += 1,
+                }
+            }
+            json!({
+                "provider": p.id,
+                "class": p.class.as_str(),
+                "state": state.as_str(),
+                "failures": failures,
+                "degrade_at": bcfg.degrade_at,
+                "open_at": bcfg.open_at,
+                "reset_timeout_s": reset.as_secs(),
+                "retry_after_s": retry_at.map(|t| retry_after_secs(t, now)),
+                "provider_cooldown_retry_after_s": window.map(|t| retry_after_secs(t, now)),
+                "connections": {"total": p.connections.len(), "eligible": eligible, "cooling": cooling, "terminal": terminal},
+            })
+        })
+        .collect();
+    json!({ "providers": providers })
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct ResetBody {
+    provider: Option<String>,
+}
+
+/// `POST /api/resilience/reset` — `{}` resets every breaker, `{"provider": "x"}` one.
+pub async fn reset(engine: &Engine, body: &[u8]) -> Result<Value, String> {
+    let req: ResetBody = parse_body(body)?;
+    let snap = engine.snapshot();
+    if let Some(p) = &req.provider {
+        if !snap.config.providers.iter().any(|x| &x.id == p) {
+            return Err(format!("unknown provider {p:?}"));
+        }
+    }
+    let mut reset = Vec::new();
+    let mut changes = Vec::new();
+    for p in snap
+        .config
+        .providers
+        .iter()
+        .filter(|p| req.provider.as_ref().is_none_or(|x| x == &p.id))
+    {
+        let entry = engine.tables.provider(&p.id);
+        let mut e = lock(&entry);
+        if let Some(t) = e.breaker.reset() {
+            engine.note_transition(&p.id, t);
+        }
+        e.window.reset();
+        changes.push(change(Table::Breakers, &p.id, Some(&*e)));
+        reset.push(p.id.clone());
+    }
+    persist(engine, changes).await;
+    Ok(json!({ "reset": reset }))
+}
+
+/// `GET /api/resilience/cooldowns[?provider=]`
+pub fn cooldowns(engine: &Engine, provider: Option<&str>) -> Value {
+    let snap = engine.snapshot();
+    let now = engine.now();
+    let mut rows = Vec::new();
+    for p in snap
+        .config
+        .providers
+        .iter()
+        .filter(|p| provider.is_none_or(|x| x == p.id))
+    {
+        for c in &p.connections {
+            let st = engine
+                .tables
+                .connection_if_any(&p.id, &c.id)
+                .map(|e| lock(&e).state.clone())
+                .unwrap_or_default();
+            let (state, remaining) = match st.eligibility(now) {
+                Eligibility::Eligible => ("ok", 0),
+                Eligibility::Cooling { until } => ("cooling", retry_after_secs(until, now)),
+                Eligibility::Terminal(t) => (t.as_str(), 0),
+            };
+            rows.push(json!({
+                "provider": p.id,
+                "connection": c.id,
+                "state": state,
+                "remaining_s": remaining,
+                "backoff_level": st.backoff_level,
+                "last_error": st.last_error,
+                "last_error_reason": st.last_error_reason.map(|r| r.as_str()),
+                "last_status": st.last_status,
+            }));
+        }
+    }
+    json!({ "connections": rows })
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct ClearBody {
+    connections: Option<Vec<String>>,
+    #[serde(default)]
+    all: bool,
+    provider: Option<String>,
+    #[serde(default)]
+    include_terminal: bool,
+}
+
+/// `POST /api/resilience/cooldowns`
+pub async fn clear_cooldowns(engine: &Engine, body: &[u8]) -> Result<Value, String> {
+    let req: ClearBody = parse_body(body)?;
+    let snap = engine.snapshot();
+    let mut targets: Vec<(String, String)> = Vec::new();
+    match (&req.connections, req.all) {
+        (Some(list), false) => {
+            for id in list {
+                let Some((p, c)) = id.split_once('/') else {
+                    return Err(format!("{id:?} is not provider/connection"));
+                };
+                if !snap
+                    .config
+                    .providers
+                    .iter()
+                    .any(|x| x.id == p && x.connections.iter().any(|y| y.id == c))
+                {
+                    return Err(format!("unknown connection {id:?}"));
+                }
+                targets.push((p.to_string(), c.to_string()));
+            }
+        }
+        (None, true) => {
+            for p in snap
+                .config
+                .providers
+                .iter()
+                .filter(|p| req.provider.as_ref().is_none_or(|x| x == &p.id))
+            {
+                targets.extend(p.connections.iter().map(|c| (p.id.clone(), c.id.clone())));
+            }
+        }
+        _ => {
+            return Err(
+                "give either \"connections\": [\"provider/connection\", ...] or \"all\": true"
+                    .into(),
+            )
+        }
+    }
+    let (mut cleared, mut unchanged, mut skipped, mut lockouts) = (0, 0, 0, 0);
+    let mut changes = Vec::new();
+    for (p, c) in &targets {
+        if let Some(entry) = engine.tables.connection_if_any(p, c) {
+            let mut e = lock(&entry);
+            match e.state.clear(req.include_terminal) {
+                Cleared::Cleared => {
+                    cleared += 1;
+                    changes.push(change(Table::Connections, &conn_key(p, c), Some(&*e)));
+                }
+                Cleared::Unchanged => unchanged += 1,
+                Cleared::SkippedTerminal => skipped += 1,
+            }
+        } else {
+            unchanged += 1;
+        }
+        let removed = engine.tables.remove_lockouts_of(p, c);
+        lockouts += removed.len();
+        changes.extend(removed);
+    }
+    persist(engine, changes).await;
+    Ok(
+        json!({ "cleared": cleared, "unchanged": unchanged, "skipped_terminal": skipped, "lockouts_cleared": lockouts }),
+    )
+}
+
+/// `GET /api/resilience/model-cooldowns`
+pub fn model_cooldowns(engine: &Engine) -> Value {
+    let now = engine.now();
+    let rows: Vec<Value> = engine
+        .tables
+        .lockouts_all()
+        .iter()
+        .map(|e| {
+            let active = e.lock.active(now);
+            json!({
+                "provider": e.provider,
+                "connection": e.connection,
+                "model": e.model,
+                "reason": e.lock.reason.map(|r| r.as_str()),
+                "status": e.lock.status,
+                "failures": e.lock.failures,
+                "expires_at": rfc3339(e.lock.until),
+                "active": active,
+                "remaining_s": if active { retry_after_secs(e.lock.until, now) } else { 0 },
+            })
+        })
+        .collect();
+    json!({ "lockouts": rows })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LockoutBody {
+    provider: String,
+    connection: String,
+    model: String,
+}
+
+/// `DELETE /api/resilience/model-cooldowns`
+pub async fn delete_model_cooldown(engine: &Engine, body: &[u8]) -> Result<Value, String> {
+    let req: LockoutBody = serde_json::from_slice(body)
+        .map_err(|e| format!("body must be {{provider, connection, model}}: {e}"))?;
+    let removed = engine
+        .tables
+        .remove_lockout(&req.provider, &req.connection, &req.model);
+    let found = removed.is_some();
+    persist(engine, removed.into_iter().collect()).await;
+    Ok(json!({ "removed": found }))
+}
+
+fn parse_body<T: for<'de> Deserialize<'de> + Default>(body: &[u8]) -> Result<T, String> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(body).map_err(|e| format!("invalid JSON body: {e}"))
+}

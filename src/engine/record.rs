@@ -1,0 +1,314 @@
+//! The record side of an attempt: its outcome goes to the breaker and window gate
+//! (provider scope), the connection cooldown (connection scope), shared quota buckets
+//! and model lockouts — each only for the failures that belong to its scope.
+//!
+//! Everything here is synchronous: state is updated in memory under short locks, and the
+//! changes are handed to the batched store writer. Changes that create a terminal state
+//! come back in `Recorded::urgent` so the caller commits them before answering.
+
+use super::select::{breaker_config, lock_names};
+use super::state::{change, conn_key, lock, ConnEntry};
+use super::{Engine, Pick, Snapshot};
+use crate::policy::breaker::Transition;
+use crate::policy::classify::counts_for_breaker;
+use crate::policy::cooldown::{base_for, CooldownConfig, Effect, Failure};
+use crate::policy::lockout::{lock_key, LockoutConfig};
+use crate::policy::{Classification, Millis, Reason, Scope};
+use crate::store::{Change, Table};
+use std::time::Duration;
+
+/// One attempt, as the record side needs it.
+pub struct AttemptInfo<'a> {
+    pub snap: &'a Snapshot,
+    pub model: usize,
+    pub pick: Pick,
+    /// When the attempt started (anti-thundering-herd).
+    pub started: Millis,
+    /// Whether the attempt held the HALF_OPEN probe.
+    pub probe: bool,
+}
+
+pub enum Outcome<'a> {
+    /// The attempt committed a response (breaker success, errors cleared, lockouts decay).
+    Success,
+    /// Upstream answered ≥ 400 (status after restatement).
+    Http {
+        status: u16,
+        class: &'a Classification,
+        hint: Option<Duration>,
+        message: &'a str,
+    },
+    /// No HTTP answer: connect error, reset, TTFT timeout.
+    Transport {
+        class: &'a Classification,
+        message: &'a str,
+    },
+    /// A committed stream stalled (records the error; cools only if configured).
+    Stall { message: &'a str },
+    /// The client went away mid-attempt: no verdict on the upstream.
+    Abandoned,
+}
+
+#[derive(Debug, Default)]
+pub struct Recorded {
+    /// Cooldown the connection got from this outcome, if any.
+    pub cooled_until: Option<Millis>,
+    /// Changes to commit before the response (terminal states).
+    pub urgent: Vec<Change>,
+}
+
+impl Engine {
+    pub fn cooldown_config(&self, snap: &Snapshot, pick: Pick) -> CooldownConfig {
+        let c = &snap.config;
+        let p = &c.providers[pick.provider];
+        let conn = &p.connections[pick.connection];
+        CooldownConfig {
+            base: base_for(p.class),
+            max_cooldown: c.resilience.max_cooldown,
+            max_hint: c.resilience.max_hint,
+            connection_retry_delay: conn.retry_delay,
+            provider_retry_delay: p.retry_delay,
+            env_reset: c.resilience.env_rate_limit_reset,
+            disable_cooling: conn.disable_cooling,
+        }
+    }
+
+    /// Records one attempt's outcome in every layer it concerns.
+    pub fn record(&self, a: &AttemptInfo<'_>, outcome: Outcome<'_>) -> Recorded {
+        let now = self.now();
+        let mut rec = Recorded::default();
+        let mut changes = Vec::new();
+        self.record_provider(a, &outcome, now, &mut changes);
+        self.record_connection(a, &outcome, now, &mut changes, &mut rec);
+        self.record_lockout(a, &outcome, now, &mut changes);
+        if let Some(store) = &self.store {
+            store.submit(changes);
+        }
+        rec
+    }
+
+    fn record_provider(
+        &self,
+        a: &AttemptInfo<'_>,
+        outcome: &Outcome<'_>,
+        now: Millis,
+        changes: &mut Vec<Change>,
+    ) {
+        let cfg = &a.snap.config;
+        let p = &cfg.providers[a.pick.provider];
+        let bcfg = breaker_config(a.snap, a.pick.provider);
+        let entry = self.tables.provider(&p.id);
+        let mut e = lock(&entry);
+        let before = e.clone();
+        let mut transition: Option<Transition> = None;
+        match outcome {
+            Outcome::Success => {
+                transition = e.breaker.record(&bcfg, false, a.probe, now);
+                e.window.record_success();
+            }
+            Outcome::Http { status, class, .. } if counts_for_breaker(class, Some(*status)) => {
+                transition = e.breaker.record(&bcfg, true, a.probe, now);
+                if cfg.resilience.provider_cooldown_enabled {
+                    e.window
+                        .record_failure(cfg.resilience.provider_cooldown.get(p.class), now);
+                }
+            }
+            Outcome::Transport { class, .. } if counts_for_breaker(class, None) => {
+                transition = e.breaker.record(&bcfg, true, a.probe, now);
+                if cfg.resilience.provider_cooldown_enabled {
+                    e.window
+                        .record_failure(cfg.resilience.provider_cooldown.get(p.class), now);
+                }
+            }
+            _ => {
+                if a.probe {
+                    e.breaker.release_probe();
+                }
+            }
+        }
+        if let Some(t) = transition {
+            self.note_transition(&p.id, t);
+        }
+        if *e != before {
+            changes.push(change(Table::Breakers, &p.id, Some(&*e)));
+        }
+    }
+
+    pub(crate) fn note_transition(&self, provider: &str, t: Transition) {
+        self.metrics
+            .breaker_transitions_total
+            .with_label_values(&[provider, t.to.as_str()])
+            .inc();
+        tracing::info!(
+            provider,
+            from = t.from.as_str(),
+            to = t.to.as_str(),
+            "breaker transition"
+        );
+    }
+
+    fn record_connection(
+        &self,
+        a: &AttemptInfo<'_>,
+        outcome: &Outcome<'_>,
+        now: Millis,
+        changes: &mut Vec<Change>,
+        rec: &mut Recorded,
+    ) {
+        let cfg = &a.snap.config;
+        let p = &cfg.providers[a.pick.provider];
+        let conn = &p.connections[a.pick.connection];
+        let ccfg = self.cooldown_config(a.snap, a.pick);
+        let key = conn_key(&p.id, &conn.id);
+        let entry = self.tables.connection(&p.id, &conn.id);
+        let mut e = lock(&entry);
+        let before: ConnEntry = e.clone();
+        let mut bucket_until: Option<(Millis, Reason)> = None;
+        let effect: Option<Effect> = match outcome {
+            Outcome::Success => {
+                e.state.record_success();
+                None
+            }
+            Outcome::Http {
+                status,
+                class,
+                hint,
+                message,
+            } => {
+                // With model lockouts on, a rate-limit or quota signal on a status the
+                // lockout layer handles locks the model (or its quota family) on this
+                // connection instead of cooling the whole connection; so does a hint
+                // longer than `lock_threshold` (SPEC §5.3/§5.4).
+                let lockout = &cfg.resilience.model_lockout;
+                let long_hint = hint.is_some_and(|h| h > cfg.resilience.lock_threshold);
+                let to_lockout = lockout.enabled
+                    && lockout.error_codes.contains(status)
+                    && class.terminal.is_none()
+                    && (long_hint
+                        || matches!(
+                            class.reason,
+                            Reason::RateLimitExceeded | Reason::QuotaExhausted
+                        ));
+                let connection_layer = class.terminal.is_some() || class.scope == Scope::Connection;
+                if connection_layer && !to_lockout {
+                    let f = Failure {
+                        attempt_started: a.started,
+                        reason: class.reason,
+                        status: Some(*status),
+                        hint: *hint,
+                        rule_cooldown: class.cooldown,
+                        terminal: class.terminal,
+                        message,
+                    };
+                    let eff = e.state.record_failure(&f, &ccfg, now);
+                    if matches!(
+                        class.reason,
+                        Reason::QuotaExhausted | Reason::RateLimitExceeded
+                    ) {
+                        if let Some(until) = eff.cooled_until {
+                            bucket_until = Some((until, class.reason));
+                        }
+                    }
+                    Some(eff)
+                } else {
+                    None
+                }
+            }
+            Outcome::Stall { message } => Some(e.state.record_stall(
+                message,
+                cfg.resilience.stream_stall_cooldown,
+                &ccfg,
+                now,
+            )),
+            Outcome::Transport { .. } | Outcome::Abandoned => None,
+        };
+        e.credential = conn.key.as_ref().map(|k| super::fingerprint(k.expose()));
+        if let Some(eff) = &effect {
+            rec.cooled_until = eff.cooled_until;
+            if let Some(t) = eff.became_terminal {
+                tracing::warn!(connection = %key, state = t.as_str(), "connection entered a terminal state");
+                rec.urgent.push(change(Table::Connections, &key, Some(&*e)));
+            }
+        }
+        if *e != before && rec.urgent.is_empty() {
+            changes.push(change(Table::Connections, &key, Some(&*e)));
+        }
+        drop(e);
+        if let (Some((until, reason)), Some(bucket)) = (bucket_until, conn.bucket.as_ref()) {
+            for (pi, other_p) in cfg.providers.iter().enumerate() {
+                for (ci, other) in other_p.connections.iter().enumerate() {
+                    if other.bucket.as_ref() != Some(bucket)
+                        || (pi, ci) == (a.pick.provider, a.pick.connection)
+                        || other.disable_cooling
+                    {
+                        continue;
+                    }
+                    let oe = self.tables.connection(&other_p.id, &other.id);
+                    let mut oe = lock(&oe);
+                    if oe.state.apply_shared(until, reason, now) {
+                        changes.push(change(
+                            Table::Connections,
+                            &conn_key(&other_p.id, &other.id),
+                            Some(&*oe),
+                        ));
+                    }
+                }
+            }
+        }
+    }
+
+    fn record_lockout(
+        &self,
+        a: &AttemptInfo<'_>,
+        outcome: &Outcome<'_>,
+        now: Millis,
+        changes: &mut Vec<Change>,
+    ) {
+        let cfg = &a.snap.config;
+        if !cfg.resilience.model_lockout.enabled {
+            return;
+        }
+        let p = &cfg.providers[a.pick.provider];
+        let conn = &p.connections[a.pick.connection];
+        let t = &cfg.models[a.model].targets[a.pick.target];
+        match outcome {
+            Outcome::Success => {
+                for name in lock_names(a.snap, a.pick.target, a.model) {
+                    if let Some(c) = self.tables.decay_lockout(&p.id, &conn.id, &name) {
+                        changes.push(c);
+                    }
+                }
+            }
+            Outcome::Http {
+                status,
+                class,
+                hint,
+                ..
+            } => {
+                let lcfg = LockoutConfig::from_config(&cfg.resilience.model_lockout);
+                if !lcfg.error_codes.contains(status)
+                    || class.terminal.is_some()
+                    || class.scope == Scope::Request
+                {
+                    return;
+                }
+                let family = t.quota_family.as_deref().or(p.quota_family.as_deref());
+                let (_, model_key) = if class.rule.is_some() && class.scope == Scope::Model {
+                    (crate::policy::lockout::LockKind::Exact, t.model.clone())
+                } else {
+                    lock_key(*status, &t.model, family)
+                };
+                let hint = hint.map(|h| h.min(cfg.resilience.max_hint));
+                let (until, c) = self.tables.with_lockout(&p.id, &conn.id, &model_key, |e| {
+                    e.lock
+                        .record_failure(&lcfg, *status, class.reason, hint, now)
+                });
+                if until.is_some() {
+                    tracing::info!(provider = %p.id, connection = %conn.id, model = %model_key, status, "model lockout");
+                    changes.push(c);
+                }
+            }
+            _ => {}
+        }
+    }
+}

@@ -1,0 +1,278 @@
+//! Keyed resilience state: one entry per provider, per connection, per lockout key.
+//!
+//! Entries are keyed by configured ids (not config indices), so they survive a reload.
+//! Each entry sits behind its own small mutex, taken only in synchronous code and never
+//! across an `.await`; the maps themselves are behind `RwLock`s that are written only
+//! when an entry is first seen, cleared by an operator, or restored at start. Every
+//! mutation returns the store `Change` that persists it; callers hand those to the
+//! batched writer (or commit them at once for terminal states).
+
+use crate::policy::breaker::Breaker;
+use crate::policy::cooldown::ConnState;
+use crate::policy::lockout::Lockout;
+use crate::policy::window_gate::WindowGate;
+use crate::policy::Millis;
+use crate::store::{Change, Image, Table};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+
+/// Breaker and window gate of one provider.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ProviderEntry {
+    pub breaker: Breaker,
+    pub window: WindowGate,
+}
+
+/// Cooldown state of one connection plus the fingerprint of the credential it was
+/// recorded against (a changed credential on reload clears terminal states).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ConnEntry {
+    pub state: ConnState,
+    #[serde(default)]
+    pub credential: Option<String>,
+}
+
+/// Lockout of one (provider, connection, model key).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LockEntry {
+    pub provider: String,
+    pub connection: String,
+    pub model: String,
+    pub lock: Lockout,
+}
+
+type Shared<T> = Arc<Mutex<T>>;
+
+/// Locks a mutex, recovering the data if a panicking thread poisoned it: the state is
+/// plain data and every writer leaves it consistent between statements.
+pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[derive(Default)]
+pub struct Tables {
+    providers: RwLock<HashMap<String, Shared<ProviderEntry>>>,
+    connections: RwLock<HashMap<String, Shared<ConnEntry>>>,
+    lockouts: Mutex<HashMap<String, LockEntry>>,
+}
+
+/// `provider/connection`.
+pub fn conn_key(provider: &str, connection: &str) -> String {
+    format!("{provider}/{connection}")
+}
+
+/// `provider/connection/model`.
+pub fn lock_key(provider: &str, connection: &str, model: &str) -> String {
+    format!("{provider}/{connection}/{model}")
+}
+
+fn get_or_insert<T: Default>(map: &RwLock<HashMap<String, Shared<T>>>, key: &str) -> Shared<T> {
+    if let Some(e) = map.read().unwrap_or_else(|p| p.into_inner()).get(key) {
+        return e.clone();
+    }
+    map.write()
+        .unwrap_or_else(|p| p.into_inner())
+        .entry(key.to_string())
+        .or_default()
+        .clone()
+}
+
+pub fn change<T: Serialize>(table: Table, key: &str, value: Option<&T>) -> Change {
+    Change {
+        table,
+        key: key.to_string(),
+        value: value.and_then(|v| serde_json::to_value(v).ok()),
+    }
+}
+
+impl Tables {
+    pub fn provider(&self, id: &str) -> Shared<ProviderEntry> {
+        get_or_insert(&self.providers, id)
+    }
+
+    pub fn connection(&self, provider: &str, connection: &str) -> Shared<ConnEntry> {
+        get_or_insert(&self.connections, &conn_key(provider, connection))
+    }
+
+    /// The connection entry if one exists (read paths that must not create entries).
+    pub fn connection_if_any(&self, provider: &str, connection: &str) -> Option<Shared<ConnEntry>> {
+        self.connections
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&conn_key(provider, connection))
+            .cloned()
+    }
+
+    pub fn provider_if_any(&self, id: &str) -> Option<Shared<ProviderEntry>> {
+        self.providers
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned()
+    }
+
+    /// Snapshot of all provider entries, by id.
+    pub fn providers_snapshot(&self) -> Vec<(String, ProviderEntry)> {
+        let map = self.providers.read().unwrap_or_else(|p| p.into_inner());
+        let mut out: Vec<_> = map
+            .iter()
+            .map(|(k, v)| (k.clone(), lock(v).clone()))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// Snapshot of all connection entries, by `provider/connection`.
+    pub fn connections_snapshot(&self) -> Vec<(String, ConnEntry)> {
+        let map = self.connections.read().unwrap_or_else(|p| p.into_inner());
+        let mut out: Vec<_> = map
+            .iter()
+            .map(|(k, v)| (k.clone(), lock(v).clone()))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    /// The active lockout (if any) among `models` on one connection.
+    pub fn active_lockout(
+        &self,
+        provider: &str,
+        connection: &str,
+        models: &[&str],
+        now: Millis,
+    ) -> Option<(String, Millis)> {
+        let map = lock(&self.lockouts);
+        models.iter().find_map(|m| {
+            map.get(&lock_key(provider, connection, m))
+                .filter(|e| e.lock.active(now))
+                .map(|e| (e.model.clone(), e.lock.until))
+        })
+    }
+
+    /// Applies `f` to the lockout entry of a key (creating it), returning the change.
+    pub fn with_lockout<R>(
+        &self,
+        provider: &str,
+        connection: &str,
+        model: &str,
+        f: impl FnOnce(&mut LockEntry) -> R,
+    ) -> (R, Change) {
+        let key = lock_key(provider, connection, model);
+        let mut map = lock(&self.lockouts);
+        let entry = map.entry(key.clone()).or_insert_with(|| LockEntry {
+            provider: provider.to_string(),
+            connection: connection.to_string(),
+            model: model.to_string(),
+            lock: Lockout::default(),
+        });
+        let r = f(entry);
+        let c = change(Table::Lockouts, &key, Some(&*entry));
+        (r, c)
+    }
+
+    /// Success decay on a lockout entry, if one exists; deletes it when it reaches 0.
+    pub fn decay_lockout(&self, provider: &str, connection: &str, model: &str) -> Option<Change> {
+        let key = lock_key(provider, connection, model);
+        let mut map = lock(&self.lockouts);
+        let entry = map.get_mut(&key)?;
+        if entry.lock.record_success() {
+            map.remove(&key);
+            Some(change::<LockEntry>(Table::Lockouts, &key, None))
+        } else {
+            let c = change(Table::Lockouts, &key, Some(&*entry));
+            Some(c)
+        }
+    }
+
+    pub fn remove_lockout(&self, provider: &str, connection: &str, model: &str) -> Option<Change> {
+        let key = lock_key(provider, connection, model);
+        lock(&self.lockouts)
+            .remove(&key)
+            .map(|_| change::<LockEntry>(Table::Lockouts, &key, None))
+    }
+
+    /// Removes every lockout of one connection; returns the changes.
+    pub fn remove_lockouts_of(&self, provider: &str, connection: &str) -> Vec<Change> {
+        let prefix = format!("{}/", conn_key(provider, connection));
+        let mut map = lock(&self.lockouts);
+        let keys: Vec<String> = map
+            .keys()
+            .filter(|k| k.starts_with(&prefix))
+            .cloned()
+            .collect();
+        keys.into_iter()
+            .map(|k| {
+                map.remove(&k);
+                change::<LockEntry>(Table::Lockouts, &k, None)
+            })
+            .collect()
+    }
+
+    /// Active lockouts, sorted.
+    pub fn lockouts_active(&self, now: Millis) -> Vec<LockEntry> {
+        let mut out = self.lockouts_all();
+        out.retain(|e| e.lock.active(now));
+        out
+    }
+
+    /// Every lockout entry (active, or expired but still carrying a failure count that
+    /// successes have not decayed to zero), sorted.
+    pub fn lockouts_all(&self) -> Vec<LockEntry> {
+        let mut out: Vec<_> = lock(&self.lockouts).values().cloned().collect();
+        out.sort_by(|a, b| {
+            (&a.provider, &a.connection, &a.model).cmp(&(&b.provider, &b.connection, &b.model))
+        });
+        out
+    }
+
+    /// Restores persisted state; entries that no longer decode are skipped (logged), and
+    /// lockouts that have expired are dropped.
+    pub fn restore(&self, image: &Image, now: Millis) -> usize {
+        let mut n = 0;
+        if let Some(rows) = image.get(&Table::Breakers) {
+            let mut map = self.providers.write().unwrap_or_else(|p| p.into_inner());
+            for (k, v) in rows {
+                match serde_json::from_value::<ProviderEntry>(v.clone()) {
+                    Ok(e) => {
+                        map.insert(k.clone(), Arc::new(Mutex::new(e)));
+                        n += 1;
+                    }
+                    Err(e) => {
+                        tracing::warn!(key = %k, error = %e, "state: skipping undecodable breaker entry")
+                    }
+                }
+            }
+        }
+        if let Some(rows) = image.get(&Table::Connections) {
+            let mut map = self.connections.write().unwrap_or_else(|p| p.into_inner());
+            for (k, v) in rows {
+                match serde_json::from_value::<ConnEntry>(v.clone()) {
+                    Ok(e) => {
+                        map.insert(k.clone(), Arc::new(Mutex::new(e)));
+                        n += 1;
+                    }
+                    Err(e) => {
+                        tracing::warn!(key = %k, error = %e, "state: skipping undecodable connection entry")
+                    }
+                }
+            }
+        }
+        if let Some(rows) = image.get(&Table::Lockouts) {
+            let mut map = lock(&self.lockouts);
+            for (k, v) in rows {
+                match serde_json::from_value::<LockEntry>(v.clone()) {
+                    Ok(e) if e.lock.active(now) || e.lock.failures > 0 => {
+                        map.insert(k.clone(), e);
+                        n += 1;
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(key = %k, error = %e, "state: skipping undecodable lockout entry")
+                    }
+                }
+            }
+        }
+        n
+    }
+}
