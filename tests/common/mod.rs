@@ -130,8 +130,13 @@ impl Proc {
 
     /// Sends SIGTERM (graceful shutdown request) without waiting.
     pub fn terminate(&self) {
+        self.signal("TERM");
+    }
+
+    /// Sends signal `name` (e.g. "HUP") to the child with `kill`.
+    pub fn signal(&self, name: &str) {
         let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
+            .args([&format!("-{name}"), &self.child.id().to_string()])
             .status();
     }
 

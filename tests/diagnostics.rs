@@ -1,0 +1,120 @@
+//! Diagnostics and operator views: the dry-run explain endpoint, `circuit_open`
+//! exclusions with `Retry-After`, and reload by `SIGHUP`.
+
+mod common;
+
+use common::gw::{server_section, Gateway};
+use common::{wait_until, Mock};
+use std::time::Duration;
+
+fn config(a: &str, b: &str, model_b: &str) -> String {
+    format!(
+        "{}providers:
+  - id: a
+    base_url: \"{a}\"
+    api: openai
+    class: local
+    connections:
+      - {{ id: ka, api_key_env: KEY }}
+  - id: b
+    base_url: \"{b}\"
+    api: openai
+    connections:
+      - {{ id: kb1, api_key_env: KEY }}
+      - {{ id: kb2, api_key_env: KEY }}
+models:
+  - name: m
+    strategy: weighted
+    targets:
+      - {{ provider: a, model: up-a, weight: 3 }}
+      - {{ provider: b, model: {model_b}, weight: 1 }}
+  - name: only-a
+    targets:
+      - {{ provider: a, model: up-a }}
+",
+        server_section("")
+    )
+}
+
+#[test]
+fn explain_lists_candidates_and_exclusions() {
+    // a is class local: its breaker opens after 2 failures (reset 15 s).
+    let a = Mock::start_named("a", &["--fault", "status=500"]);
+    let b = Mock::start_named("b", &[]);
+    let gw = Gateway::start(
+        &config(&a.base_url(), &b.base_url(), "up-b"),
+        &[("KEY", "k")],
+    );
+    let r = gw.admin_get("/api/routes/explain?model=m");
+    assert_eq!(r.status, 200, "{}", r.text());
+    let j = r.json();
+    assert_eq!(j["strategy"], "weighted");
+    let fam = &j["families"][0];
+    assert_eq!(fam["family"], "openai");
+    assert_eq!(fam["candidates"].as_array().unwrap().len(), 3);
+    assert!(fam["excluded"].as_array().unwrap().is_empty());
+
+    for _ in 0..2 {
+        assert_eq!(gw.request_only_a().status, 500);
+    }
+    let j = gw.admin_get("/api/routes/explain?model=m").json();
+    let fam = &j["families"][0];
+    let cands: Vec<_> = fam["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["provider"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(cands, vec!["b", "b"]);
+    let ex = &fam["excluded"][0];
+    assert_eq!(ex["provider"], "a");
+    assert_eq!(ex["reason"], "circuit_open");
+    let secs = ex["retry_after_s"].as_u64().unwrap();
+    assert!((1..=15).contains(&secs), "{secs}");
+
+    // A model whose only target is behind an open breaker: 503 with Retry-After.
+    let r = gw.request_only_a();
+    assert_eq!(r.status, 503);
+    assert_eq!(r.json()["error"]["code"], "all_targets_cooling_down");
+    assert_eq!(
+        r.json()["error"]["diagnostics"]["excluded"][0]["reason"],
+        "circuit_open"
+    );
+    let retry: u64 = r.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=15).contains(&retry));
+    assert_eq!(a.route_count("/v1/chat/completions"), 2);
+
+    let r = gw.admin_get("/api/routes/explain?model=nope");
+    assert_eq!(r.status, 404);
+}
+
+#[test]
+fn sighup_reloads_the_config() {
+    let a = Mock::start_named("a", &[]);
+    let b = Mock::start_named("b", &[]);
+    let gw = Gateway::start(
+        &config(&a.base_url(), &b.base_url(), "up-b"),
+        &[("KEY", "k")],
+    );
+    let gen = gw.admin_get("/api/config").json()["generation"]
+        .as_u64()
+        .unwrap();
+    // Same file content, new stamp is irrelevant: SIGHUP forces the reload.
+    gw.proc.signal("HUP");
+    assert!(wait_until(Duration::from_secs(5), || {
+        let c = gw.admin_get("/api/config").json();
+        c["generation"].as_u64().unwrap() > gen && c["last_reload"]["trigger"] == "sighup"
+    }));
+    // Still serving after the reload.
+    assert_eq!(gw.chat(r#"{"model":"m"}"#).status, 200);
+}
+
+trait OnlyA {
+    fn request_only_a(&self) -> common::Response;
+}
+
+impl OnlyA for Gateway {
+    fn request_only_a(&self) -> common::Response {
+        self.chat(r#"{"model":"only-a"}"#)
+    }
+}
