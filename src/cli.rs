@@ -6,8 +6,7 @@
 
 use crate::admin::AdminApp;
 use crate::clock::SystemClock;
-use crate::config::Loaded;
-use crate::engine::reload::{self, load_all};
+use crate::engine::reload::{self, prepare, Prepared};
 use crate::engine::Engine;
 use crate::error::StartupError;
 use crate::metrics::Metrics;
@@ -58,8 +57,9 @@ fn env_lookup(name: &str) -> Option<String> {
 /// `sluice check`: validates the config and the rule files it points at; returns the
 /// process exit code.
 pub fn check(path: &Path, out: &mut dyn Write) -> i32 {
-    match load_all(path, &env_lookup) {
-        Ok((Loaded { config, warnings }, rules)) => {
+    match prepare(path, &env_lookup, &Default::default(), 1) {
+        Ok(Prepared { snapshot, warnings }) => {
+            let (config, rules) = (&snapshot.config, &snapshot.rules);
             for w in &warnings {
                 let _ = writeln!(out, "warning: {w}");
             }
@@ -94,7 +94,7 @@ pub fn check(path: &Path, out: &mut dyn Write) -> i32 {
 /// `sluice run`: binds both listeners, prints `LISTENING <name> <addr>` for each, and
 /// serves until a signal stops the process.
 pub fn run(path: &Path, reset_state: bool) -> Result<(), StartupError> {
-    let (Loaded { config, warnings }, rules) = load_all(path, &env_lookup).map_err(|problems| {
+    let render = |problems: Vec<crate::config::Problem>| {
         StartupError::Config(
             problems
                 .iter()
@@ -102,15 +102,13 @@ pub fn run(path: &Path, reset_state: bool) -> Result<(), StartupError> {
                 .collect::<Vec<_>>()
                 .join("\n"),
         )
-    })?;
-    for w in &warnings {
+    };
+    // The state path comes from the config; the overrides layer comes from the state.
+    let first = prepare(path, &env_lookup, &Default::default(), 1).map_err(render)?;
+    for w in &first.warnings {
         tracing::warn!("{w}");
     }
-    let metrics = Metrics::new()?;
-    metrics
-        .config_reloads_total
-        .with_label_values(&["ok"])
-        .inc();
+    let config = &first.snapshot.config;
     let threads = config.server.threads;
     let listen = config.server.listen.clone();
     let admin_listen = config.server.admin_listen.clone();
@@ -121,18 +119,32 @@ pub fn run(path: &Path, reset_state: bool) -> Result<(), StartupError> {
     let image = store
         .load()
         .map_err(|e| StartupError::Store(e.to_string()))?;
+    let overrides = Engine::overrides_from(&image);
+    let snapshot = if overrides.is_empty() {
+        first.snapshot
+    } else {
+        prepare(path, &env_lookup, &overrides, 1)
+            .map_err(render)?
+            .snapshot
+    };
+    let metrics = Metrics::new()?;
+    metrics
+        .config_reloads_total
+        .with_label_values(&["ok"])
+        .inc();
     let writer = StoreWriter::spawn_on_thread(store, Duration::from_millis(100))
         .map_err(|e| StartupError::Store(e.to_string()))?;
     let engine = Engine::new(
-        config,
-        rules,
+        snapshot,
         metrics,
         Some(writer),
         Arc::new(SystemClock),
         Some(path.to_path_buf()),
     );
+    *crate::engine::state::lock(&engine.overrides) = overrides;
     let restored = engine.tables.restore(&image, engine.now());
-    tracing::info!(restored, "state loaded");
+    let (pins, leases) = engine.restore_sessions(&image);
+    tracing::info!(restored, pins, leases, "state loaded");
     reload::spawn_watcher(engine.clone()).map_err(|source| StartupError::Listen {
         addr: "reload watcher".into(),
         source,

@@ -25,6 +25,10 @@ pub struct Metrics {
     pub model_lockouts_active: prometheus::IntGauge,
     pub restatements_total: IntCounterVec,
     pub classifications_total: IntCounterVec,
+    pub queue_depth: IntGaugeVec,
+    pub queue_rejections_total: IntCounterVec,
+    pub affinity_pins_active: prometheus::IntGauge,
+    pub leases_active: prometheus::IntGauge,
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -126,6 +130,28 @@ impl Metrics {
             ),
             &["reason", "scope"],
         )?;
+        let queue_depth = IntGaugeVec::new(
+            Opts::new(
+                "sluice_queue_depth",
+                "Requests waiting for a concurrency permit",
+            ),
+            &["provider", "connection"],
+        )?;
+        let queue_rejections_total = IntCounterVec::new(
+            Opts::new(
+                "sluice_queue_rejections_total",
+                "Requests refused by queue admission",
+            ),
+            &["reason"],
+        )?;
+        let affinity_pins_active = prometheus::IntGauge::new(
+            "sluice_affinity_pins_active",
+            "Session affinity pins currently in force",
+        )?;
+        let leases_active = prometheus::IntGauge::new(
+            "sluice_leases_active",
+            "Exclusive session leases currently held",
+        )?;
         for c in [
             Box::new(requests_total.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(attempts_total.clone()),
@@ -141,6 +167,10 @@ impl Metrics {
             Box::new(model_lockouts_active.clone()),
             Box::new(restatements_total.clone()),
             Box::new(classifications_total.clone()),
+            Box::new(queue_depth.clone()),
+            Box::new(queue_rejections_total.clone()),
+            Box::new(affinity_pins_active.clone()),
+            Box::new(leases_active.clone()),
         ] {
             registry.register(c)?;
         }
@@ -160,6 +190,10 @@ impl Metrics {
             model_lockouts_active,
             restatements_total,
             classifications_total,
+            queue_depth,
+            queue_rejections_total,
+            affinity_pins_active,
+            leases_active,
         })
     }
 

@@ -166,11 +166,18 @@ fn quota_exhaustion_cools_the_whole_bucket() {
     assert_eq!(calls(&mock, "key-2"), 0);
     assert_eq!(conn_row(&gw, "k1")["last_error_reason"], "quota_exhausted");
     assert_eq!(conn_row(&gw, "k2")["state"], "cooling");
+    // Every target is rate-limited with a known reset and the combo wait never waits
+    // on an exhausted quota: 429 rate_limit_error with the reset, at once.
     let r = gw.chat(r#"{"model":"m"}"#);
-    assert_eq!(r.status, 503);
-    assert_eq!(r.json()["error"]["code"], "all_targets_cooling_down");
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "rate_limit_error");
     let retry: u64 = r.header("retry-after").unwrap().parse().unwrap();
     assert!((25..=30).contains(&retry), "retry-after {retry}");
+    assert_eq!(r.json()["error"]["retry_after_s"], retry);
+    assert!(r.json()["error"]["reset_at"]
+        .as_str()
+        .unwrap()
+        .ends_with('Z'));
     let excluded = r.json()["error"]["diagnostics"]["excluded"]
         .as_array()
         .unwrap()

@@ -29,6 +29,7 @@ models:
       - {{ provider: a, model: up-a, weight: 3 }}
       - {{ provider: b, model: {model_b}, weight: 1 }}
   - name: only-a
+    cooldown_wait: false
     targets:
       - {{ provider: a, model: up-a }}
 ",

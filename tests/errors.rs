@@ -246,8 +246,6 @@ fn session_and_lease_headers_never_reach_the_upstream() {
             ("x-session-id", "s1"),
             ("x-codex-session-id", "s2"),
             ("x-sluice-session", "s3"),
-            ("x-sluice-lease-owner", "slo_x"),
-            ("x-sluice-lease-generation", "1"),
             ("x-trace", "kept"),
         ],
         br#"{"model":"m"}"#,

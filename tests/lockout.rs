@@ -84,8 +84,10 @@ fn rate_limit_locks_the_quota_family() {
     mock.set_fault("");
     // gamma shares the family: locked without an upstream call; alpha is not.
     let before = mock.route_count("/v1/chat/completions");
+    // Locked for 120 s (longer than the combo wait's max_wait): 429 at once.
     let r = chat(&gw, "gamma");
-    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "rate_limit_error");
     assert!(r.json()["error"]["diagnostics"]["excluded"]
         .as_array()
         .unwrap()

@@ -95,6 +95,8 @@ impl AdminApp {
                 Err(error) => Err((422, error)),
             },
             ("GET", "/api/monitoring/health") => Ok(r::health(e)),
+            ("GET", "/api/resilience") => Ok(r::settings(e)),
+            ("PATCH", "/api/resilience") => r::patch_settings(e, body).await.map_err(|m| (400, m)),
             ("POST", "/api/resilience/reset") => r::reset(e, body).await.map_err(|m| (400, m)),
             ("GET", "/api/resilience/cooldowns") => {
                 Ok(r::cooldowns(e, query_param(query, "provider").as_deref()))

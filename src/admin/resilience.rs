@@ -275,3 +275,30 @@ fn parse_body<T: for<'de> Deserialize<'de> + Default>(body: &[u8]) -> Result<T, 
     }
     serde_json::from_slice(body).map_err(|e| format!("invalid JSON body: {e}"))
 }
+
+/// `GET /api/resilience`: every tunable setting's effective value and the layer that
+/// supplied it, the runtime overrides, and the per-connection layer.
+pub fn settings(engine: &Engine) -> Value {
+    let snap = engine.snapshot();
+    let settings: serde_json::Map<String, Value> = snap
+        .sources
+        .iter()
+        .map(|(k, (v, src))| (k.to_string(), json!({"value": v, "source": src})))
+        .collect();
+    json!({
+        "precedence": ["default", "env", "file", "override", "connection"],
+        "settings": settings,
+        "overrides": *lock(&engine.overrides),
+        "connections": crate::config::settings::per_connection(&snap.config),
+    })
+}
+
+/// `PATCH /api/resilience`: `{setting: value}` sets runtime overrides (persisted),
+/// `{setting: null}` removes one (for `emergency_fallback`, null is a value: use
+/// `{"emergency_fallback": null}` to turn it off).
+pub async fn patch_settings(engine: &Engine, body: &[u8]) -> Result<Value, String> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| format!("invalid JSON body: {e}"))?;
+    let changes = crate::config::settings::validate_patch(&engine.snapshot().config, &v)?;
+    let generation = engine.set_overrides(changes).await?;
+    Ok(json!({"ok": true, "generation": generation, "current": settings(engine)}))
+}

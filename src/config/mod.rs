@@ -5,6 +5,7 @@
 //! half-applied.
 
 pub mod raw;
+pub mod settings;
 pub mod types;
 pub mod units;
 pub mod validate;

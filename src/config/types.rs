@@ -71,18 +71,44 @@ pub enum Strategy {
     Weighted,
     RoundRobin,
     Random,
+    LeastUsed,
+    P2c,
+    FillFirst,
     CostOptimized,
+    ResetAware,
 }
 
 impl Strategy {
+    /// Every strategy, in the order the documentation lists them.
+    pub const ALL: [Strategy; 9] = [
+        Strategy::Priority,
+        Strategy::Weighted,
+        Strategy::RoundRobin,
+        Strategy::Random,
+        Strategy::LeastUsed,
+        Strategy::P2c,
+        Strategy::FillFirst,
+        Strategy::CostOptimized,
+        Strategy::ResetAware,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Strategy::Priority => "priority",
             Strategy::Weighted => "weighted",
             Strategy::RoundRobin => "round-robin",
             Strategy::Random => "random",
+            Strategy::LeastUsed => "least-used",
+            Strategy::P2c => "p2c",
+            Strategy::FillFirst => "fill-first",
             Strategy::CostOptimized => "cost-optimized",
+            Strategy::ResetAware => "reset-aware",
         }
+    }
+
+    /// The strategy spelled `name` in the configuration, if any.
+    pub fn from_name(name: &str) -> Option<Strategy> {
+        Strategy::ALL.into_iter().find(|s| s.as_str() == name)
     }
 }
 
@@ -177,6 +203,8 @@ pub struct Target {
 pub struct Model {
     pub name: String,
     pub strategy: Strategy,
+    /// Weight of the latency term of `p2c` (0–20; 0 = in-flight count only).
+    pub p2c_latency_weight: f64,
     pub cooldown_wait: bool,
     pub targets: Vec<Target>,
 }

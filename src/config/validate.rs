@@ -303,10 +303,6 @@ impl Validator<'_> {
                 if !models.iter().any(|m| &m.name == s) {
                     self.err("emergency_fallback", format!("unknown model {s:?}"));
                 }
-                self.warn(
-                    "emergency_fallback",
-                    "accepted but not enforced yet in this version",
-                );
                 Some(s.clone())
             }
             Some(_) => {
@@ -521,17 +517,6 @@ impl Validator<'_> {
                 .retry_delay
                 .as_ref()
                 .map(|t| self.duration(&join(&path, "retry_delay"), Some(t), Duration::ZERO));
-            for (set, field) in [(
-                raw.max_concurrent.is_some() || !raw.model_concurrency.is_empty(),
-                "max_concurrent/model_concurrency",
-            )] {
-                if set {
-                    self.warn(
-                        &join(&path, field),
-                        "accepted but not enforced yet in this version",
-                    );
-                }
-            }
             out.push(Connection {
                 id: raw.id,
                 key,
@@ -603,10 +588,15 @@ impl Validator<'_> {
                     );
                 }
             }
-            if !raw.scopes.is_empty() {
-                self.warn(
-                    &join(&path, "scopes"),
-                    "leases are not enforced yet in this version",
+            if raw.scopes.iter().any(|s| s == "lease:exclusive")
+                && raw
+                    .allowed_connections
+                    .as_ref()
+                    .is_none_or(|l| l.is_empty())
+            {
+                self.err(
+                    &join(&path, "allowed_connections"),
+                    "the lease:exclusive scope needs a non-empty allowed_connections list",
                 );
             }
             if let Some(list) = &raw.allowed_connections {
@@ -651,35 +641,31 @@ impl Validator<'_> {
                     format!("duplicate model name {:?}", raw.name),
                 );
             }
-            let strategy = match raw.strategy.as_deref().unwrap_or("priority") {
-                "priority" => Strategy::Priority,
-                "weighted" => Strategy::Weighted,
-                "round-robin" => Strategy::RoundRobin,
-                "random" => Strategy::Random,
-                "cost-optimized" => Strategy::CostOptimized,
-                s @ ("least-used" | "p2c" | "fill-first" | "reset-aware") => {
+            let strategy = match raw.strategy.as_deref() {
+                None => Strategy::Priority,
+                Some(name) => Strategy::from_name(name).unwrap_or_else(|| {
+                    let all: Vec<_> = Strategy::ALL.iter().map(|s| s.as_str()).collect();
                     self.err(
                         &join(&path, "strategy"),
-                        format!("strategy {s:?} is not supported yet in this version"),
+                        format!(
+                            "unknown strategy {name:?}; expected one of {}",
+                            all.join(", ")
+                        ),
                     );
                     Strategy::Priority
-                }
-                other => {
-                    self.err(
-                        &join(&path, "strategy"),
-                        format!("unknown strategy {other:?}; expected priority, weighted, round-robin, random or cost-optimized"),
-                    );
-                    Strategy::Priority
-                }
+                }),
             };
-            if let Some(w) = raw.p2c_latency_weight {
-                if !(0.0..=20.0).contains(&w) {
+            let p2c_latency_weight = match raw.p2c_latency_weight {
+                None => 0.0,
+                Some(w) if (0.0..=20.0).contains(&w) => w,
+                Some(_) => {
                     self.err(
                         &join(&path, "p2c_latency_weight"),
                         "must be between 0 and 20",
                     );
+                    0.0
                 }
-            }
+            };
             let mut targets = Vec::new();
             for (i, tv) in raw.targets.into_iter().enumerate() {
                 let tpath = format!("{path}.targets[{i}]");
@@ -741,6 +727,7 @@ impl Validator<'_> {
             out.push(Model {
                 name: raw.name,
                 strategy,
+                p2c_latency_weight,
                 cooldown_wait: raw.cooldown_wait.unwrap_or(true),
                 targets,
             });
@@ -767,7 +754,7 @@ impl Validator<'_> {
                         RESILIENCE_KEYS.join(", ")
                     ),
                 );
-            } else if ["session_affinity", "combo_wait", "watchdog"].contains(&k) {
+            } else if k == "watchdog" {
                 self.warn(
                     &format!("resilience.{k}"),
                     "accepted but not enforced yet in this version",
@@ -866,12 +853,6 @@ impl Validator<'_> {
         let max_depth = q.max_depth.unwrap_or(0);
         if max_depth > 100_000 {
             self.err("resilience.queue.max_depth", "must be between 0 and 100000");
-        }
-        if q.max_depth.is_some() || q.wait.is_some() || q.fail_open.is_some() {
-            self.warn(
-                "resilience.queue",
-                "only execution_timeout is enforced in this version",
-            );
         }
         let queue = Queue {
             max_depth,

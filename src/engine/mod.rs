@@ -8,25 +8,33 @@
 //! the store except for the terminal states SPEC §7 requires to be durable first.
 
 pub mod judge;
+pub mod permits;
 pub mod record;
 pub mod reload;
 pub mod select;
+pub mod sessions;
 pub mod state;
 
 use crate::clock::Clock;
+use crate::config::settings::Sources;
 use crate::config::{Client, Config, Family};
 use crate::metrics::Metrics;
+use crate::policy::affinity::PinTable;
 use crate::policy::breaker::Permit;
 use crate::policy::cooldown::Eligibility;
+use crate::policy::lease::LeaseTable;
 use crate::policy::{retry_after_secs, Millis};
 use crate::proxy::resolve::Resolver;
 use crate::routing::ModelRouting;
+use crate::routing::{LatencyWindow, RateLimitInfo};
 use crate::rules::RuleSet;
 use crate::store::StoreWriter;
 use arc_swap::ArcSwap;
+use permits::{PermitGuard, Permits};
 use pingora::connectors::http::Connector;
 use pingora::connectors::ConnectorOptions;
 use select::{breaker_config, Exclusion};
+use select::{Asker, Candidate};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use state::{lock, Tables};
@@ -34,11 +42,22 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
+/// The config as validated from the file, before the env and override layers, with the
+/// file text (to tell which settings the file sets). Kept so a runtime override can be
+/// re-applied without re-reading the file.
+pub struct BaseConfig {
+    pub config: Config,
+    pub text: String,
+}
+
 /// One immutable generation of config and rules, plus the routing state that belongs to it.
 pub struct Snapshot {
     pub config: Config,
     pub rules: Arc<RuleSet>,
     pub generation: u64,
+    /// Which layer supplied each tunable setting.
+    pub sources: Sources,
+    pub base: Option<Arc<BaseConfig>>,
     models: HashMap<String, usize>,
     clients: HashMap<String, usize>,
     routing: Vec<Mutex<ModelRouting>>,
@@ -46,6 +65,16 @@ pub struct Snapshot {
 
 impl Snapshot {
     pub fn new(config: Config, rules: Arc<RuleSet>, generation: u64) -> Self {
+        Self::layered(config, rules, generation, Sources::new(), None)
+    }
+
+    pub fn layered(
+        config: Config,
+        rules: Arc<RuleSet>,
+        generation: u64,
+        sources: Sources,
+        base: Option<Arc<BaseConfig>>,
+    ) -> Self {
         let models = config
             .models
             .iter()
@@ -68,6 +97,8 @@ impl Snapshot {
             config,
             rules,
             generation,
+            sources,
+            base,
             models,
             clients,
             routing,
@@ -114,14 +145,27 @@ pub struct Pick {
 }
 
 /// The outcome of the select phase.
-#[derive(Debug)]
 pub enum Selection {
+    /// Go: the attempt holds its concurrency permit (and possibly the breaker's probe).
     Picked {
         pick: Pick,
         probe: bool,
+        permit: PermitGuard,
+    },
+    /// Runnable candidates exist but all are at their concurrency cap.
+    Full {
+        full: Vec<Candidate>,
+        excluded: Vec<Exclusion>,
     },
     /// Nothing runnable; every candidate that was considered, with its reason.
     Empty(Vec<Exclusion>),
+}
+
+/// What the load-aware strategies know of one connection.
+#[derive(Debug, Default)]
+pub struct Signals {
+    pub latency: LatencyWindow,
+    pub rate: Option<RateLimitInfo>,
 }
 
 /// SHA-256 prefix of a credential: lets a reload notice a changed key without storing it.
@@ -138,12 +182,17 @@ pub struct Engine {
     pub store: Option<StoreWriter>,
     clock: Arc<dyn Clock>,
     pub reload: reload::ReloadState,
+    pub permits: Permits,
+    pub leases: Mutex<LeaseTable>,
+    pub pins: Mutex<PinTable>,
+    pub signals: Mutex<HashMap<String, Signals>>,
+    /// Runtime setting overrides (PATCH /api/resilience), persisted.
+    pub overrides: Mutex<std::collections::BTreeMap<String, Value>>,
 }
 
 impl Engine {
     pub fn new(
-        config: Config,
-        rules: RuleSet,
+        snapshot: Snapshot,
         metrics: Metrics,
         store: Option<StoreWriter>,
         clock: Arc<dyn Clock>,
@@ -153,7 +202,7 @@ impl Engine {
         opts.keepalive_pool_size = 1024;
         let now = clock.now_ms();
         Arc::new(Self {
-            snapshot: ArcSwap::from_pointee(Snapshot::new(config, Arc::new(rules), 1)),
+            snapshot: ArcSwap::from_pointee(snapshot),
             tables: Tables::default(),
             metrics,
             resolver: Resolver::default(),
@@ -161,6 +210,11 @@ impl Engine {
             store,
             clock,
             reload: reload::ReloadState::new(config_path, now),
+            permits: Permits::default(),
+            leases: Mutex::new(LeaseTable::default()),
+            pins: Mutex::new(PinTable::default()),
+            signals: Mutex::new(HashMap::new()),
+            overrides: Mutex::new(Default::default()),
         })
     }
 
@@ -177,41 +231,77 @@ impl Engine {
         self.snapshot.store(Arc::new(snap));
     }
 
-    /// Select phase for one attempt: evaluate, pick, take the breaker permit.
+    /// Select phase for one attempt: evaluate, prefer the session's pinned connection,
+    /// else let the strategy pick; then take the concurrency permit and the breaker
+    /// permit. Races (a permit or the probe taken meanwhile) re-run the pick.
     pub fn select(
         &self,
         snap: &Snapshot,
         model: usize,
         family: Family,
-        client: Option<&Client>,
-        tried: &Tried,
-        random: f64,
+        asker: &Asker<'_>,
+        pin: Option<&str>,
     ) -> Selection {
         let now = self.now();
-        let mut tried = tried.clone();
+        let mut tried = asker.tried.clone();
         loop {
-            let eval = select::evaluate(&self.tables, snap, model, family, client, &tried, now);
-            let Some(c) = select::pick(snap, model, &eval.candidates, random) else {
-                return Selection::Empty(eval.excluded);
+            let a = Asker {
+                client: asker.client,
+                lease: asker.lease,
+                tried: &tried,
             };
-            let bcfg = breaker_config(snap, c.provider);
-            let entry = self.tables.provider(&snap.config.providers[c.provider].id);
-            let (permit, transition) = lock(&entry).breaker.permit(&bcfg, now);
-            if let Some(t) = transition {
-                self.note_transition(&snap.config.providers[c.provider].id, t);
-            }
-            let pick = Pick {
-                target: c.target,
-                provider: c.provider,
-                connection: c.connection,
+            let eval = select::evaluate(self, snap, model, family, &a, now);
+            let pinned = pin.and_then(|key| {
+                eval.runnable.iter().copied().find(|c| {
+                    let p = &snap.config.providers[c.provider];
+                    state::conn_key(&p.id, &p.connections[c.connection].id) == key
+                })
+            });
+            let Some(c) = pinned.or_else(|| select::pick(self, snap, model, &eval.runnable, now))
+            else {
+                if eval.full.is_empty() {
+                    return Selection::Empty(eval.excluded);
+                }
+                return Selection::Full {
+                    full: eval.full,
+                    excluded: eval.excluded,
+                };
             };
-            match permit {
-                Permit::Allow => return Selection::Picked { pick, probe: false },
-                Permit::Probe => return Selection::Picked { pick, probe: true },
+            let Some(permit) = self.permits.try_acquire(&select::limits(snap, model, &c)) else {
+                tried.connections.push((c.provider, c.connection));
+                continue;
+            };
+            match self.breaker_permit(snap, c.provider, now) {
+                Permit::Allow => {
+                    return Selection::Picked {
+                        pick: c.into(),
+                        probe: false,
+                        permit,
+                    }
+                }
+                Permit::Probe => {
+                    return Selection::Picked {
+                        pick: c.into(),
+                        probe: true,
+                        permit,
+                    }
+                }
                 // Another request took the HALF_OPEN probe between evaluate and now.
                 Permit::Deny { .. } => tried.providers.push(c.provider),
             }
         }
+    }
+
+    /// Takes the breaker's permit for one attempt on `provider`.
+    pub fn breaker_permit(&self, snap: &Snapshot, provider: usize, now: Millis) -> Permit {
+        let bcfg = breaker_config(snap, provider);
+        let id = &snap.config.providers[provider].id;
+        let entry = self.tables.provider(id);
+        let (permit, transition) = lock(&entry).breaker.permit(&bcfg, now);
+        if let Some(t) = transition {
+            self.note_transition(id, t);
+        }
+        permit
     }
 
     /// Dry run of selection for `GET /api/routes/explain`.
@@ -225,18 +315,17 @@ impl Engine {
             if !snap.serves_family(model, family) {
                 continue;
             }
-            let eval = select::evaluate(
-                &self.tables,
-                &snap,
-                model,
-                family,
-                None,
-                &Tried::default(),
-                now,
-            );
+            let tried = Tried::default();
+            let asker = Asker {
+                client: None,
+                lease: None,
+                tried: &tried,
+            };
+            let eval = select::evaluate(self, &snap, model, family, &asker, now);
             let candidates: Vec<Value> = eval
-                .candidates
+                .runnable
                 .iter()
+                .chain(eval.full.iter())
                 .map(|c| {
                     let t = &m.targets[c.target];
                     let p = &snap.config.providers[c.provider];
@@ -247,6 +336,7 @@ impl Engine {
                         "weight": t.weight,
                         "cost": t.cost,
                         "breaker": c.breaker.as_str(),
+                        "inflight": self.permits.inflight(&state::conn_key(&p.id, &p.connections[c.connection].id)),
                     })
                 })
                 .collect();
@@ -305,6 +395,18 @@ impl Engine {
         }
         m.model_lockouts_active
             .set(self.tables.lockouts_active(now).len() as i64);
+        for p in &snap.config.providers {
+            for c in &p.connections {
+                let key = state::conn_key(&p.id, &c.id);
+                m.queue_depth
+                    .with_label_values(&[p.id.as_str(), c.id.as_str()])
+                    .set(i64::from(self.permits.waiting(&key)));
+            }
+        }
+        m.affinity_pins_active
+            .set(lock(&self.pins).active_count(now) as i64);
+        m.leases_active
+            .set(lock(&self.leases).active_count(now) as i64);
     }
 
     /// `Retry-After` seconds for the soonest-lifting timer exclusion.
@@ -315,6 +417,16 @@ impl Engine {
             .filter_map(|e| e.until)
             .min()
             .map(|u| retry_after_secs(u, now))
+    }
+}
+
+impl From<Candidate> for Pick {
+    fn from(c: Candidate) -> Self {
+        Pick {
+            target: c.target,
+            provider: c.provider,
+            connection: c.connection,
+        }
     }
 }
 

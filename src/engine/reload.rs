@@ -8,13 +8,15 @@
 //! Triggers: file change (polled every second), `SIGHUP`, `POST /api/config/reload`.
 
 use super::state::{change, lock};
-use super::{fingerprint, Engine, Snapshot};
+use super::{fingerprint, BaseConfig, Engine, Snapshot};
+use crate::config::settings;
 use crate::config::{self, Loaded, Problem};
 use crate::policy::cooldown::Cleared;
 use crate::policy::Millis;
 use crate::rules::RuleSet;
 use crate::store::Table;
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -72,6 +74,43 @@ pub fn load_all(
     Ok((loaded, rules))
 }
 
+/// A validated generation, ready to be swapped in.
+pub struct Prepared {
+    pub snapshot: Snapshot,
+    pub warnings: Vec<Problem>,
+}
+
+/// Reads the config file and its rules, validates both, and applies the env and
+/// runtime-override layers (SPEC §5.7) — everything off the request path.
+pub fn prepare(
+    path: &Path,
+    env: config::EnvLookup<'_>,
+    overrides: &BTreeMap<String, serde_json::Value>,
+    generation: u64,
+) -> Result<Prepared, Vec<Problem>> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        vec![Problem {
+            file: file.clone(),
+            path: String::new(),
+            reason: format!("cannot read file: {e}"),
+        }]
+    })?;
+    let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+    let loaded = config::parse_str(&text, &file, &dir, env)?;
+    let rules = RuleSet::load_dir(&loaded.config.rules_dir)?;
+    let base = Arc::new(BaseConfig {
+        config: loaded.config.clone(),
+        text,
+    });
+    let mut cfg = loaded.config;
+    let sources = settings::resolve(&mut cfg, &base.text, env, overrides)?;
+    Ok(Prepared {
+        snapshot: Snapshot::layered(cfg, Arc::new(rules), generation, sources, Some(base)),
+        warnings: loaded.warnings,
+    })
+}
+
 fn render(problems: &[Problem]) -> String {
     problems
         .iter()
@@ -88,7 +127,9 @@ impl Engine {
             return Err("this engine was not started from a config file".into());
         };
         let now = self.now();
-        let (loaded, rules) = match load_all(&path, &env_lookup) {
+        let overrides = lock(&self.overrides).clone();
+        let generation = self.snapshot().generation + 1;
+        let prepared = match prepare(&path, &env_lookup, &overrides, generation) {
             Ok(x) => x,
             Err(problems) => {
                 let error = render(&problems);
@@ -109,8 +150,8 @@ impl Engine {
             }
         };
         let old = self.snapshot();
-        let mut warnings: Vec<String> = loaded.warnings.iter().map(ToString::to_string).collect();
-        let (o, n) = (&old.config, &loaded.config);
+        let mut warnings: Vec<String> = prepared.warnings.iter().map(ToString::to_string).collect();
+        let (o, n) = (&old.config, &prepared.snapshot.config);
         if o.server.listen != n.server.listen
             || o.server.admin_listen != n.server.admin_listen
             || o.server.threads != n.server.threads
@@ -122,9 +163,8 @@ impl Engine {
         if o.state_path != n.state_path {
             warnings.push("state.path changed: takes effect after a restart".into());
         }
-        let generation = old.generation + 1;
-        self.clear_terminal_on_new_credentials(&loaded.config);
-        self.swap(Snapshot::new(loaded.config, Arc::new(rules), generation));
+        self.clear_terminal_on_new_credentials(&prepared.snapshot.config);
+        self.swap(prepared.snapshot);
         self.metrics
             .config_reloads_total
             .with_label_values(&["ok"])
@@ -142,6 +182,56 @@ impl Engine {
             warnings,
         };
         Ok(generation)
+    }
+
+    /// Replaces the runtime overrides (PATCH /api/resilience): validated against the
+    /// current base config, swapped in, then persisted before the caller answers.
+    pub async fn set_overrides(
+        &self,
+        changes: BTreeMap<String, Option<serde_json::Value>>,
+    ) -> Result<u64, String> {
+        let (snapshot, persisted) = {
+            let _one_at_a_time = lock(&self.reload.running);
+            let old = self.snapshot();
+            let Some(base) = old.base.clone() else {
+                return Err("this engine has no base config to layer overrides on".into());
+            };
+            let mut next = lock(&self.overrides).clone();
+            for (k, v) in &changes {
+                match v {
+                    Some(v) => next.insert(k.clone(), v.clone()),
+                    None => next.remove(k),
+                };
+            }
+            let mut cfg = base.config.clone();
+            let sources = settings::resolve(&mut cfg, &base.text, &env_lookup, &next)
+                .map_err(|p| render(&p))?;
+            let generation = old.generation + 1;
+            self.swap(Snapshot::layered(
+                cfg,
+                old.rules.clone(),
+                generation,
+                sources,
+                Some(base),
+            ));
+            *lock(&self.overrides) = next.clone();
+            let persisted: Vec<crate::store::Change> = changes
+                .keys()
+                .map(|k| crate::store::Change {
+                    table: Table::Overrides,
+                    key: k.clone(),
+                    value: next.get(k).cloned(),
+                })
+                .collect();
+            (generation, persisted)
+        };
+        if let Some(store) = &self.store {
+            store
+                .commit_now(persisted)
+                .await
+                .map_err(|e| format!("override applied but not persisted: {e}"))?;
+        }
+        Ok(snapshot)
     }
 
     /// A terminal state is cleared when the connection's credential changed (SPEC §5.3).

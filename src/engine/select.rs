@@ -1,18 +1,23 @@
 //! The select phase: candidates (targets × connections), each excluded one with a
-//! reason and its remaining time, then the strategy's pick and the breaker permit.
+//! reason and its remaining time, then the strategy's pick, the concurrency permit and
+//! the breaker permit.
 //!
 //! Reads are lazy (`peek`, `eligibility`, `active`): nothing here needs a timer to make
-//! a provider or connection eligible again. Only the chosen provider's breaker is asked
-//! for a real permit, so a HALF_OPEN provider hands out exactly one probe; if another
-//! request took it meanwhile, that provider is excluded and the pick is made again.
+//! a provider or connection eligible again. Exclusions are checked from the broadest
+//! fact to the narrowest (terminal, cooldown, breaker, window gate, lockout), then the
+//! session layers (a foreign lease), then capacity (no free permit): so `lease_held`
+//! and `concurrency_full` only ever mark candidates that are otherwise runnable, which
+//! is what lease contention and queueing need to know. Only the chosen provider's
+//! breaker is asked for a real permit, so a HALF_OPEN provider hands out one probe.
 
-use super::state::{lock, Tables};
-use super::{Snapshot, Tried};
-use crate::config::{Client, Family, Strategy};
+use super::permits::Limits;
+use super::state::{conn_key, lock};
+use super::{Engine, Snapshot, Tried};
+use crate::config::{Client, Family};
 use crate::policy::breaker::{BreakerConfig, BreakerState, Permit};
 use crate::policy::cooldown::Eligibility;
-use crate::policy::{retry_after_secs, Millis};
-use crate::routing::Offer;
+use crate::policy::{retry_after_secs, Millis, Reason};
+use crate::routing::View;
 use serde_json::{json, Value};
 
 /// Why a candidate could not be used (SPEC §4 `diagnostics.excluded[].reason`).
@@ -23,6 +28,8 @@ pub enum ExclusionReason {
     ConnectionCooldown,
     Terminal,
     ModelLockout,
+    LeaseHeld,
+    ConcurrencyFull,
     AlreadyTried,
 }
 
@@ -34,11 +41,13 @@ impl ExclusionReason {
             ExclusionReason::ConnectionCooldown => "connection_cooldown",
             ExclusionReason::Terminal => "terminal",
             ExclusionReason::ModelLockout => "model_lockout",
+            ExclusionReason::LeaseHeld => "lease_held",
+            ExclusionReason::ConcurrencyFull => "concurrency_full",
             ExclusionReason::AlreadyTried => "already_tried",
         }
     }
 
-    /// Exclusions that lift by themselves when a timer runs out.
+    /// Exclusions that lift by themselves when a resilience timer runs out.
     pub fn is_timer(self) -> bool {
         matches!(
             self,
@@ -56,10 +65,12 @@ pub struct Exclusion {
     pub connection: String,
     pub model: String,
     pub reason: ExclusionReason,
-    /// When the exclusion lifts by itself (timers only).
+    /// When the exclusion lifts by itself (timers and leases).
     pub until: Option<Millis>,
     /// Terminal state name, for `terminal` exclusions.
     pub detail: Option<&'static str>,
+    /// The failure behind a cooldown or lockout (decides whether a combo wait is worth it).
+    pub cause: Option<Reason>,
 }
 
 impl Exclusion {
@@ -71,11 +82,12 @@ impl Exclusion {
             "reason": self.reason.as_str(),
             "retry_after_s": self.until.map(|u| retry_after_secs(u, now)),
             "state": self.detail,
+            "cause": self.cause.map(|c| c.as_str()),
         })
     }
 }
 
-/// One runnable (target, connection) pair.
+/// One (target, connection) pair that passed the resilience checks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Candidate {
     pub target: usize,
@@ -84,10 +96,23 @@ pub struct Candidate {
     pub breaker: BreakerState,
 }
 
-/// The candidate list of one model for one request, before the strategy runs.
+/// The candidate list of one model for one request.
+#[derive(Debug, Default)]
 pub struct Evaluation {
-    pub candidates: Vec<Candidate>,
+    /// Runnable now (a permit is free).
+    pub runnable: Vec<Candidate>,
+    /// Runnable but at their concurrency cap: a request may wait for them.
+    pub full: Vec<Candidate>,
     pub excluded: Vec<Exclusion>,
+}
+
+/// Who is asking: the client key, its lease (if it presented one) and what this request
+/// already tried.
+pub struct Asker<'a> {
+    pub client: Option<&'a Client>,
+    /// (owner hash, leased connection `provider/connection`).
+    pub lease: Option<(&'a str, &'a str)>,
+    pub tried: &'a Tried,
 }
 
 pub fn breaker_config(snap: &Snapshot, provider: usize) -> BreakerConfig {
@@ -100,12 +125,13 @@ pub fn breaker_config(snap: &Snapshot, provider: usize) -> BreakerConfig {
 }
 
 /// Model names a lockout may be recorded under for a target: the exact model, its bare
-/// name (without a `:variant` suffix) and its quota family.
+/// name and its quota family.
 pub fn lock_names(snap: &Snapshot, target: usize, model: usize) -> Vec<String> {
     let c = &snap.config;
     let t = &c.models[model].targets[target];
     let mut names = vec![t.model.clone()];
-    if let Some((bare, _)) = t.model.split_once(':') {
+    let bare = crate::policy::lockout::bare_model(&t.model);
+    if bare != t.model {
         names.push(bare.to_string());
     }
     if let Some(f) = t
@@ -118,22 +144,38 @@ pub fn lock_names(snap: &Snapshot, target: usize, model: usize) -> Vec<String> {
     names
 }
 
-/// Evaluates every (target, connection) of `model` that `client` may use.
+/// The concurrency limits of one candidate.
+pub fn limits(snap: &Snapshot, model: usize, c: &Candidate) -> Limits {
+    let cfg = &snap.config;
+    let p = &cfg.providers[c.provider];
+    let conn = &p.connections[c.connection];
+    let upstream = &cfg.models[model].targets[c.target].model;
+    let key = conn_key(&p.id, &conn.id);
+    Limits {
+        model: conn
+            .model_concurrency
+            .get(upstream)
+            .map(|n| (format!("{key}/{upstream}"), *n)),
+        conn_limit: conn.max_concurrent,
+        conn_key: key,
+    }
+}
+
+/// Evaluates every (target, connection) of `model` that the asker may use.
 pub fn evaluate(
-    tables: &Tables,
+    engine: &Engine,
     snap: &Snapshot,
     model: usize,
     family: Family,
-    client: Option<&Client>,
-    tried: &Tried,
+    asker: &Asker<'_>,
     now: Millis,
 ) -> Evaluation {
+    let tables = &engine.tables;
     let cfg = &snap.config;
     let m = &cfg.models[model];
-    let mut out = Evaluation {
-        candidates: Vec::new(),
-        excluded: Vec::new(),
-    };
+    let tried = asker.tried;
+    let leases = lock(&engine.leases);
+    let mut out = Evaluation::default();
     for (ti, t) in m.targets.iter().enumerate() {
         let p = &cfg.providers[t.provider];
         if p.api != family {
@@ -156,34 +198,41 @@ pub fn evaluate(
         let name_refs: Vec<&str> = names.iter().map(String::as_str).collect();
         for (ci, c) in p.connections.iter().enumerate() {
             if t.connection.is_some_and(|pin| pin != ci)
-                || !super::client_allows(client, &p.id, &c.id)
+                || !super::client_allows(asker.client, &p.id, &c.id)
             {
                 continue;
             }
-            let excluded = |reason, until, detail| Exclusion {
+            let key = conn_key(&p.id, &c.id);
+            if asker.lease.is_some_and(|(_, leased)| leased != key) {
+                continue;
+            }
+            let excluded = |reason, until, detail, cause| Exclusion {
                 provider: p.id.clone(),
                 connection: c.id.clone(),
                 model: t.model.clone(),
                 reason,
                 until,
                 detail,
+                cause,
             };
             if tried.providers.contains(&t.provider)
                 || tried.connections.contains(&(t.provider, ci))
                 || tried.targets.contains(&ti)
             {
                 out.excluded
-                    .push(excluded(ExclusionReason::AlreadyTried, None, None));
+                    .push(excluded(ExclusionReason::AlreadyTried, None, None, None));
                 continue;
             }
             if let Some(e) = tables.connection_if_any(&p.id, &c.id) {
-                match lock(&e).state.eligibility(now) {
+                let e = lock(&e);
+                match e.state.eligibility(now) {
                     Eligibility::Eligible => {}
                     Eligibility::Terminal(s) => {
                         out.excluded.push(excluded(
                             ExclusionReason::Terminal,
                             None,
                             Some(s.as_str()),
+                            e.state.last_error_reason,
                         ));
                         continue;
                     }
@@ -192,14 +241,19 @@ pub fn evaluate(
                             ExclusionReason::ConnectionCooldown,
                             Some(until),
                             None,
+                            e.state.last_error_reason,
                         ));
                         continue;
                     }
                 }
             }
             if let Permit::Deny { retry_at } = permit {
-                out.excluded
-                    .push(excluded(ExclusionReason::CircuitOpen, Some(retry_at), None));
+                out.excluded.push(excluded(
+                    ExclusionReason::CircuitOpen,
+                    Some(retry_at),
+                    None,
+                    Some(Reason::ServerError),
+                ));
                 continue;
             }
             if let Some(until) = window_until {
@@ -207,65 +261,96 @@ pub fn evaluate(
                     ExclusionReason::ProviderCooldown,
                     Some(until),
                     None,
+                    Some(Reason::ServerError),
                 ));
                 continue;
             }
             if cfg.resilience.model_lockout.enabled {
-                if let Some((_, until)) = tables.active_lockout(&p.id, &c.id, &name_refs, now) {
-                    out.excluded
-                        .push(excluded(ExclusionReason::ModelLockout, Some(until), None));
+                if let Some((until, reason)) = tables.active_lockout(&p.id, &c.id, &name_refs, now)
+                {
+                    out.excluded.push(excluded(
+                        ExclusionReason::ModelLockout,
+                        Some(until),
+                        None,
+                        reason,
+                    ));
                     continue;
                 }
             }
-            out.candidates.push(Candidate {
+            if let Some(until) = leases.held_by_other(&key, asker.lease.map(|(h, _)| h), now) {
+                out.excluded.push(excluded(
+                    ExclusionReason::LeaseHeld,
+                    Some(until),
+                    None,
+                    None,
+                ));
+                continue;
+            }
+            let cand = Candidate {
                 target: ti,
                 provider: t.provider,
                 connection: ci,
                 breaker: bstate,
-            });
+            };
+            if engine.permits.has_free(&limits(snap, model, &cand)) {
+                out.runnable.push(cand);
+            } else {
+                out.excluded
+                    .push(excluded(ExclusionReason::ConcurrencyFull, None, None, None));
+                out.full.push(cand);
+            }
         }
     }
     out
 }
 
-/// Strategy pick over evaluated candidates: targets first, then a connection inside
-/// the chosen target. Strategies other than `priority` prefer providers that are not
-/// DEGRADED when any such candidate exists.
-pub fn pick(
+/// What each strategy sees of a candidate.
+pub fn views(
+    engine: &Engine,
     snap: &Snapshot,
     model: usize,
-    candidates: &[Candidate],
-    random: f64,
-) -> Option<Candidate> {
-    let m = &snap.config.models[model];
-    let healthy_exists = candidates
+    cands: &[Candidate],
+    now: Millis,
+) -> Vec<View> {
+    let cfg = &snap.config;
+    let signals = lock(&engine.signals);
+    cands
         .iter()
-        .any(|c| c.breaker != BreakerState::Degraded);
-    let usable = |c: &&Candidate| {
-        m.strategy == Strategy::Priority || !healthy_exists || c.breaker != BreakerState::Degraded
-    };
-    let mut offers: Vec<Offer> = Vec::new();
-    for c in candidates.iter().filter(usable) {
-        if !offers.iter().any(|o| o.target == c.target) {
-            let t = &m.targets[c.target];
-            offers.push(Offer {
+        .map(|c| {
+            let t = &cfg.models[model].targets[c.target];
+            let p = &cfg.providers[c.provider];
+            let conn = &p.connections[c.connection];
+            let key = conn_key(&p.id, &conn.id);
+            let s = signals.get(&key);
+            View {
                 target: c.target,
+                connection: c.connection,
                 weight: t.weight,
                 cost: t.cost,
-            });
-        }
-    }
-    let mut routing = lock(&snap.routing[model]);
-    let target = routing.pick(m.strategy, &offers, random)?;
-    let conns: Vec<usize> = candidates
-        .iter()
-        .filter(usable)
-        .filter(|c| c.target == target)
-        .map(|c| c.connection)
-        .collect();
-    let connection = routing.pick_connection(target, &conns)?;
-    candidates
-        .iter()
-        .copied()
-        .find(|c| c.target == target && c.connection == connection)
+                inflight: engine.permits.inflight(&key),
+                cap: conn.max_concurrent,
+                latency_ms: s.and_then(|s| s.latency.mean(now)),
+                remaining: s
+                    .and_then(|s| s.rate)
+                    .and_then(|r| r.current(now).remaining),
+                reset_at: s.and_then(|s| s.rate).and_then(|r| r.current(now).reset_at),
+                degraded: c.breaker == BreakerState::Degraded,
+            }
+        })
+        .collect()
+}
+
+/// The strategy's pick among `cands`.
+pub fn pick(
+    engine: &Engine,
+    snap: &Snapshot,
+    model: usize,
+    cands: &[Candidate],
+    now: Millis,
+) -> Option<Candidate> {
+    let m = &snap.config.models[model];
+    let v = views(engine, snap, model, cands, now);
+    let random: (f64, f64) = (rand::random(), rand::random());
+    let i = lock(&snap.routing[model]).pick_view(m.strategy, &v, random, m.p2c_latency_weight)?;
+    cands.get(i).copied()
 }

@@ -11,7 +11,7 @@ use crate::policy::breaker::Breaker;
 use crate::policy::cooldown::ConnState;
 use crate::policy::lockout::Lockout;
 use crate::policy::window_gate::WindowGate;
-use crate::policy::Millis;
+use crate::policy::{Millis, Reason};
 use crate::store::{Change, Image, Table};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -141,12 +141,12 @@ impl Tables {
         connection: &str,
         models: &[&str],
         now: Millis,
-    ) -> Option<(String, Millis)> {
+    ) -> Option<(Millis, Option<Reason>)> {
         let map = lock(&self.lockouts);
         models.iter().find_map(|m| {
             map.get(&lock_key(provider, connection, m))
                 .filter(|e| e.lock.active(now))
-                .map(|e| (e.model.clone(), e.lock.until))
+                .map(|e| (e.lock.until, e.lock.reason))
         })
     }
 

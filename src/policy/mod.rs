@@ -8,11 +8,15 @@
 
 pub mod breaker;
 pub mod classify;
+pub mod combo;
 pub mod window_gate;
 
 pub mod cooldown;
 pub mod lockout;
 pub mod retry_hint;
+
+pub mod affinity;
+pub mod lease;
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

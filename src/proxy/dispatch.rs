@@ -17,15 +17,19 @@ use super::body::ParsedBody;
 use super::respond;
 use super::sse::SseProgress;
 use super::upstream;
+use super::waits::{self, QueueOutcome};
 use super::RequestCtx;
 use crate::config::{Client, Family};
 use crate::engine::judge::Verdict;
 use crate::engine::record::{AttemptInfo, Outcome};
-use crate::engine::select::Exclusion;
-use crate::engine::{Engine, Pick, Selection, Snapshot, Tried};
+use crate::engine::select::{Asker, Exclusion};
+use crate::engine::{state, Engine, Pick, Selection, Snapshot, Tried};
 use crate::error::ClientError;
+use crate::policy::breaker::Permit;
 use crate::policy::classify::TransportKind;
-use crate::policy::{retry_after_secs, Scope};
+use crate::policy::combo::Decision;
+use crate::policy::lease::Lease;
+use crate::policy::Scope;
 use bytes::{Bytes, BytesMut};
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::HttpPeer;
@@ -40,6 +44,7 @@ const POOL_IDLE: Duration = Duration::from_secs(90);
 const WRITE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Everything one request's dispatch needs, pinned at admission.
+#[derive(Clone)]
 pub struct Request<'a> {
     pub engine: &'a Engine,
     pub snap: &'a Snapshot,
@@ -48,7 +53,14 @@ pub struct Request<'a> {
     pub client: Option<&'a Client>,
     pub body: &'a ParsedBody,
     pub header: &'a RequestHeader,
+    /// Set when the first attempt is dispatched (`queue.execution_timeout` from then).
     pub deadline: Instant,
+    /// The exclusive lease the request presented (already checked by the fence).
+    pub lease: Option<Lease>,
+    /// Session affinity pin key, when the request carries a session header.
+    pub pin_key: Option<String>,
+    /// This run is already the `emergency_fallback` model's (no second hop).
+    pub is_fallback: bool,
 }
 
 /// One failed attempt, for diagnostics and logs.
@@ -91,14 +103,14 @@ enum Attempt {
     Deadline,
 }
 
-enum Wait<T> {
+pub(super) enum Wait<T> {
     Ready(T),
     TimedOut,
     ClientGone,
 }
 
 /// Runs `fut` for at most `limit`, watching the client connection meanwhile.
-async fn race<F: Future>(
+pub(super) async fn race<F: Future>(
     session: &mut Session,
     watching: &mut bool,
     limit: Duration,
@@ -133,17 +145,101 @@ pub async fn run(
     let mut tried = Tried::default();
     let mut held: Option<(HeldError, Verdict)> = None;
     let mut excluded: Vec<Exclusion> = Vec::new();
-    for attempt_no in 1..=max {
-        let random: f64 = rand::random();
-        let (pick, probe) = match r
-            .engine
-            .select(r.snap, r.model, r.family, r.client, &tried, random)
-        {
-            Selection::Picked { pick, probe } => (pick, probe),
-            Selection::Empty(ex) => {
-                excluded = ex;
-                break;
+    let mut rate_limited_until = None;
+    let mut lease = r.lease.clone();
+    let mut relocated = false;
+    let mut watching = true;
+    let (mut waits, mut waited) = (0u32, Duration::ZERO);
+    let mut deadline: Option<Instant> = None;
+    let mut attempt_no = 0usize;
+    while attempt_no < max {
+        let pin = r.pin_key.as_deref().and_then(|k| r.engine.pinned(k));
+        let asker = Asker {
+            client: r.client,
+            lease: lease
+                .as_ref()
+                .map(|l| (l.owner_hash.as_str(), l.connection.as_str())),
+            tried: &tried,
+        };
+        let (pick, probe, permit) = match r.engine.select(
+            r.snap,
+            r.model,
+            r.family,
+            &asker,
+            pin.as_deref(),
+        ) {
+            Selection::Picked {
+                pick,
+                probe,
+                permit,
+            } => (pick, probe, permit),
+            Selection::Full { full, .. } => {
+                match waits::wait_for_permit(session, r, &full, &mut watching).await {
+                    QueueOutcome::Got(c, permit) | QueueOutcome::FailOpen(c, permit) => {
+                        match r.engine.breaker_permit(r.snap, c.provider, r.engine.now()) {
+                            Permit::Allow => (c.into(), false, permit),
+                            Permit::Probe => (c.into(), true, permit),
+                            Permit::Deny { .. } => {
+                                tried.providers.push(c.provider);
+                                continue;
+                            }
+                        }
+                    }
+                    QueueOutcome::Full => {
+                        return waits::queue_rejected(session, r, ctx, true).await
+                    }
+                    QueueOutcome::TimedOut => {
+                        return waits::queue_rejected(session, r, ctx, false).await
+                    }
+                    QueueOutcome::ClientGone => return client_gone(ctx),
+                }
             }
+            Selection::Empty(ex) => {
+                // A lease whose connection became ineligible moves (same generation).
+                if let (Some(l), Some(client), false) = (&lease, r.client, relocated) {
+                    relocated = true;
+                    if let Some(moved) = r.engine.lease_relocate(r.snap, client, l).await {
+                        if moved.connection != l.connection {
+                            lease = Some(moved);
+                            continue;
+                        }
+                    }
+                }
+                if held.is_none() && lease.is_none() {
+                    if let Some(e) = waits::lease_contention(&ex, r.engine.now()) {
+                        return finish_error(session, r.family, e, ctx).await;
+                    }
+                }
+                match waits::combo_decision(r, &ex, waits, waited) {
+                    Decision::Wait(d) => {
+                        tracing::info!(model = %cfg.models[r.model].name, wait_ms = d.as_millis() as u64, "combo wait");
+                        if !waits::combo_sleep(session, &mut watching, d).await {
+                            return client_gone(ctx);
+                        }
+                        waits += 1;
+                        waited += d;
+                        // What held these back was a timer that has now run out.
+                        tried.connections.clear();
+                        tried.targets.clear();
+                        continue;
+                    }
+                    Decision::Decline {
+                        rate_limited_until: until,
+                    } => {
+                        excluded = ex;
+                        rate_limited_until = until;
+                        break;
+                    }
+                }
+            }
+        };
+        attempt_no += 1;
+        let deadline = *deadline
+            .get_or_insert_with(|| Instant::now() + cfg.resilience.queue.execution_timeout);
+        let ra = Request {
+            deadline,
+            lease: lease.clone(),
+            ..r.clone()
         };
         ctx.attempts = attempt_no as u32;
         ctx.pick = Some(names(r, pick));
@@ -154,7 +250,8 @@ pub async fn run(
             started: r.engine.now(),
             probe,
         };
-        let outcome = attempt(session, r, &info, ctx).await;
+        let outcome = attempt(session, &ra, &info, ctx).await;
+        drop(permit);
         let (pname, cname, mname) = names(r, pick);
         let metric = |outcome: &str| {
             r.engine
@@ -166,14 +263,20 @@ pub async fn run(
         let verdict = match outcome {
             Attempt::Done => {
                 metric("ok");
+                if let Some(key) = &r.pin_key {
+                    r.engine.touch_pin(
+                        key,
+                        &state::conn_key(&pname, &cname),
+                        &mname,
+                        cfg.resilience.affinity_ttl,
+                    );
+                }
                 return Ok(());
             }
             Attempt::ClientGone => {
                 metric("final_error");
                 r.engine.record(&info, Outcome::Abandoned);
-                ctx.status = 499;
-                ctx.note = Some("client_gone");
-                return Ok(());
+                return client_gone(ctx);
             }
             Attempt::Deadline => {
                 metric("final_error");
@@ -239,7 +342,35 @@ pub async fn run(
         .with_extra("diagnostics", json!({ "attempts": attempts }));
         return finish_error(session, r.family, e, ctx).await;
     }
-    nothing_runnable(session, r, &excluded, ctx).await
+    if let Some(fb) = emergency_fallback(r) {
+        tracing::warn!(model = %cfg.models[r.model].name, fallback = %cfg.models[fb].name, "no runnable target: trying the emergency fallback model");
+        let rf = Request {
+            model: fb,
+            is_fallback: true,
+            pin_key: None,
+            ..r.clone()
+        };
+        return Box::pin(run(session, &rf, ctx)).await;
+    }
+    waits::nothing_runnable(session, r, &excluded, rate_limited_until, ctx).await
+}
+
+/// The `emergency_fallback` model, when it applies to this request (SPEC §5.12).
+fn emergency_fallback(r: &Request<'_>) -> Option<usize> {
+    if r.is_fallback || r.lease.is_some() {
+        return None;
+    }
+    let cfg = &r.snap.config;
+    cfg.emergency_fallback
+        .as_deref()
+        .and_then(|name| r.snap.model_index(name))
+        .filter(|m| *m != r.model && r.snap.serves_family(*m, r.family))
+}
+
+fn client_gone(ctx: &mut RequestCtx) -> pingora::Result<()> {
+    ctx.status = 499;
+    ctx.note = Some("client_gone");
+    Ok(())
 }
 
 /// Terminal states are durable before the response that reveals them (SPEC §7).
@@ -252,48 +383,6 @@ async fn commit_urgent(r: &Request<'_>, v: &Verdict) {
             tracing::error!(error = %e, "could not persist a terminal state");
         }
     }
-}
-
-/// No candidate could run at all: 503 when only timers stand in the way, else 404.
-async fn nothing_runnable(
-    session: &mut Session,
-    r: &Request<'_>,
-    excluded: &[Exclusion],
-    ctx: &mut RequestCtx,
-) -> pingora::Result<()> {
-    let now = r.engine.now();
-    let model = &r.snap.config.models[r.model].name;
-    for e in excluded {
-        tracing::warn!(
-            model = %model,
-            provider = %e.provider,
-            connection = %e.connection,
-            upstream_model = %e.model,
-            reason = e.reason.as_str(),
-            remaining_s = e.until.map(|u| retry_after_secs(u, now)).unwrap_or(0),
-            "target excluded"
-        );
-    }
-    let list: Vec<_> = excluded.iter().map(|e| e.json(now)).collect();
-    let err = match Engine::soonest(excluded, now) {
-        Some(secs) => {
-            let mut e = ClientError::new(
-                503,
-                "all_targets_cooling_down",
-                format!("every target of model {model:?} is cooling down; retry in {secs}s"),
-            )
-            .with_extra("diagnostics", json!({ "excluded": list }));
-            e.retry_after = Some(secs);
-            e
-        }
-        None => ClientError::new(
-            404,
-            "no_executable_targets",
-            format!("model {model:?} has no target that can run"),
-        )
-        .with_extra("diagnostics", json!({ "excluded": list })),
-    };
-    finish_error(session, r.family, err, ctx).await
 }
 
 fn names(r: &Request<'_>, pick: Pick) -> (String, String, String) {
@@ -317,7 +406,7 @@ fn sluice_headers(ctx: &RequestCtx) -> Vec<(&'static str, String)> {
     h
 }
 
-async fn finish_error(
+pub(super) async fn finish_error(
     session: &mut Session,
     family: Family,
     e: ClientError,
@@ -484,6 +573,8 @@ async fn attempt(
         return Attempt::Transport(TransportKind::Reset, "upstream connection failed");
     };
     let status = up_header.status.as_u16();
+    r.engine
+        .note_rate_limit(&provider.id, &conn.id, &up_header.headers);
 
     // response header phase: errors are read (bounded) and held, never committed here
     if status >= 400 {
@@ -561,6 +652,8 @@ async fn attempt(
     }
     ctx.ttfb = Some(ctx.started.elapsed());
     r.engine.record(info, Outcome::Success);
+    r.engine
+        .note_ttfb(&provider.id, &conn.id, sent_at.elapsed());
     let Some(first) = first else {
         r.engine
             .connector

@@ -6,20 +6,21 @@
 //! once per request and records metrics and the access log line. Hooks stay thin; the
 //! decisions live in `engine`, `routing` and `dispatch`.
 
+pub mod admit;
 pub mod body;
 pub mod dispatch;
+pub mod leases;
 pub mod resolve;
 pub mod respond;
 pub mod routes;
 pub mod sse;
 pub mod upstream;
+pub mod waits;
 
 use crate::config::Family;
 use crate::engine::Engine;
 use crate::error::ClientError;
 use async_trait::async_trait;
-use body::ParsedBody;
-use bytes::BytesMut;
 use pingora::prelude::HttpPeer;
 use pingora::proxy::{ProxyHttp, Session};
 use routes::Route;
@@ -67,57 +68,6 @@ impl Gateway {
         Ok(true)
     }
 
-    /// Reads the whole request body, at most `limit` bytes.
-    async fn read_body(session: &mut Session, limit: usize) -> Result<bytes::Bytes, ClientError> {
-        let too_large = || {
-            ClientError::new(
-                413,
-                "body_too_large",
-                format!("request body exceeds max_body_bytes ({limit} bytes)"),
-            )
-        };
-        let declared = session
-            .req_header()
-            .headers
-            .get("content-length")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<usize>().ok());
-        if declared.is_some_and(|n| n > limit) {
-            return Err(too_large());
-        }
-        let expects_continue = session
-            .req_header()
-            .headers
-            .get("expect")
-            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-        if expects_continue {
-            session
-                .downstream_session
-                .write_continue_response()
-                .await
-                .map_err(|e| {
-                    ClientError::invalid_request(format!("cannot answer 100-continue: {e}"))
-                })?;
-        }
-        let mut buf = BytesMut::with_capacity(declared.unwrap_or(8 * 1024).min(limit));
-        loop {
-            match session.read_request_body().await {
-                Ok(Some(chunk)) => {
-                    if buf.len() + chunk.len() > limit {
-                        return Err(too_large());
-                    }
-                    buf.extend_from_slice(&chunk);
-                }
-                Ok(None) => return Ok(buf.freeze()),
-                Err(e) => {
-                    return Err(ClientError::invalid_request(format!(
-                        "cannot read request body: {e}"
-                    )))
-                }
-            }
-        }
-    }
-
     async fn models(&self, session: &mut Session, ctx: &mut RequestCtx) -> pingora::Result<bool> {
         let snap = self.engine.snapshot();
         let data: Vec<_> = snap
@@ -131,20 +81,6 @@ impl Gateway {
         respond::write_local(session, 200, "application/json", &[], body).await?;
         Ok(true)
     }
-}
-
-/// The client key from `Authorization: Bearer …` or `x-api-key`.
-fn presented_key(session: &Session) -> Option<String> {
-    let h = &session.req_header().headers;
-    if let Some(v) = h.get("authorization").and_then(|v| v.to_str().ok()) {
-        let v = v.trim();
-        if v.len() > 7 && v[..7].eq_ignore_ascii_case("bearer ") {
-            return Some(v[7..].trim().to_string());
-        }
-    }
-    h.get("x-api-key")
-        .and_then(|v| v.to_str().ok())
-        .map(|v| v.trim().to_string())
 }
 
 #[async_trait]
@@ -186,68 +122,44 @@ impl ProxyHttp for Gateway {
         ctx.route = Some(route);
         let family = route.family();
         let snap = self.engine.snapshot();
-
-        // admit: client key
-        let client = match &snap.config.clients {
-            None => None,
-            Some(_) => match presented_key(session).and_then(|k| snap.client_by_key(&k)) {
-                Some(c) => Some(c),
-                None => {
-                    let e = ClientError::new(401, "unauthorized", "missing or unknown client key");
-                    return self.reject(session, ctx, family, e).await;
-                }
-            },
+        let client = match admit::client(&snap, session) {
+            Ok(c) => c,
+            Err(e) => return self.reject(session, ctx, family, e).await,
         };
         ctx.client_id = client.map(|c| c.id.clone());
-        if route == Route::Models {
-            return self.models(session, ctx).await;
+        match route {
+            Route::Models => return self.models(session, ctx).await,
+            Route::SessionLeases => {
+                return leases::handle(&self.engine, &snap, session, client, ctx).await
+            }
+            _ => {}
         }
-
-        // admit: body, JSON, model
-        let raw = match Self::read_body(session, snap.config.server.max_body_bytes).await {
-            Ok(b) => b,
+        let a = match admit::admit(&self.engine, &snap, session, family, client).await {
+            Ok(a) => a,
             Err(e) => {
-                // The rest of an oversized body is not read: do not reuse the connection.
-                session.downstream_session.set_keepalive(None);
+                if e.status == 413 {
+                    // The rest of an oversized body is not read: do not reuse the connection.
+                    session.downstream_session.set_keepalive(None);
+                }
                 return self.reject(session, ctx, family, e).await;
             }
         };
-        let body = match ParsedBody::parse(raw) {
-            Ok(b) => b,
-            Err(msg) => {
-                return self
-                    .reject(session, ctx, family, ClientError::invalid_request(msg))
-                    .await
-            }
-        };
-        let Some(model) = snap
-            .model_index(&body.model)
-            .filter(|m| snap.serves_family(*m, family))
-        else {
-            let e = ClientError::new(
-                404,
-                "model_not_found",
-                format!(
-                    "model {:?} is not configured for {} requests",
-                    body.model,
-                    family.as_str()
-                ),
-            );
-            return self.reject(session, ctx, family, e).await;
-        };
-        ctx.model_label = snap.config.models[model].name.clone();
+        ctx.model_label = snap.config.models[a.model].name.clone();
 
         // select → connect → response → stream, per attempt
         let header = session.req_header().clone();
         let request = dispatch::Request {
             engine: &self.engine,
             snap: &snap,
-            model,
+            model: a.model,
             family,
             client,
-            body: &body,
+            body: &a.body,
             header: &header,
             deadline: Instant::now() + snap.config.resilience.queue.execution_timeout,
+            lease: a.lease,
+            pin_key: a.pin_key,
+            is_fallback: false,
         };
         dispatch::run(session, &request, ctx).await?;
         Ok(true)

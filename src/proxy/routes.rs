@@ -10,6 +10,7 @@ pub enum Route {
     Responses,
     Messages,
     Models,
+    SessionLeases,
 }
 
 impl Route {
@@ -24,6 +25,7 @@ impl Route {
             ("POST", "/v1/responses") => Some(Route::Responses),
             ("POST", "/v1/messages") => Some(Route::Messages),
             ("GET", "/v1/models") => Some(Route::Models),
+            ("POST", "/api/v1/session-leases") => Some(Route::SessionLeases),
             _ => None,
         }
     }
@@ -44,6 +46,7 @@ impl Route {
             Route::Responses => "responses",
             Route::Messages => "messages",
             Route::Models => "models",
+            Route::SessionLeases => "session_leases",
         }
     }
 }

@@ -1,20 +1,61 @@
 //! Target and connection choice for one attempt (SPEC §5.12), as pure functions.
 //!
-//! The caller passes the eligible targets (already filtered by family, client scope and
-//! what this request has tried) and the model's mutable routing state; the functions
-//! never pick an index that was not offered and never block. Rotation state is per
-//! model (strategy) and per target (connection rotation), so one model's traffic does
-//! not skew another's.
+//! The caller passes the runnable candidates (already filtered by family, client scope,
+//! exclusions and what this request has tried) and the model's mutable routing state;
+//! nothing here blocks or does I/O, and a pick is always one of the offered indices.
+//! [`ModelRouting::pick_view`] is the entry point for every strategy. The target-level
+//! strategies (`priority`, `weighted`, `round-robin`, `random`, `cost-optimized`) choose
+//! a target and then rotate over its offered connections; the load-aware ones
+//! (`least-used`, `p2c`, `fill-first`, `reset-aware`, in `load`) rank (target,
+//! connection) views directly. Every strategy but `priority` avoids views of DEGRADED
+//! providers while any other view exists. Rotation state is per model (strategy) and
+//! per target (connection rotation), so one model's traffic does not skew another's.
+//! The inputs of the load-aware strategies come from [`LatencyWindow`] (p2c) and
+//! [`parse_rate_limit`] (reset-aware).
+
+mod latency;
+mod load;
+mod rate_limit;
+#[cfg(test)]
+mod view_tests;
+
+pub use latency::{LatencyWindow, LATENCY_MAX_AGE_MS, LATENCY_MIN_SAMPLES, LATENCY_SAMPLES};
+pub use rate_limit::{parse_rate_limit, RateLimitInfo};
 
 use crate::config::Strategy;
+use crate::policy::Millis;
+use std::collections::BTreeMap;
 
-/// One eligible target as the strategy sees it.
+/// One eligible target as a target-level strategy sees it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Offer {
     /// Index into the model's target list.
     pub target: usize,
     pub weight: u32,
     pub cost: Option<f64>,
+}
+
+/// One runnable (target, connection) pair as a strategy sees it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct View {
+    /// Index in the model's targets (target order = priority order).
+    pub target: usize,
+    /// Index in the provider's connections.
+    pub connection: usize,
+    pub weight: u32,
+    pub cost: Option<f64>,
+    /// Attempts in flight on this connection now.
+    pub inflight: u32,
+    /// `max_concurrent` of the connection (`None` = unlimited).
+    pub cap: Option<u32>,
+    /// Mean TTFB over the last samples, only with ≥ 3 samples ([`LatencyWindow::mean`]).
+    pub latency_ms: Option<f64>,
+    /// Upstream-reported remaining requests (rate-limit headers), if known.
+    pub remaining: Option<u64>,
+    /// When the upstream quota window resets, if known.
+    pub reset_at: Option<Millis>,
+    /// The provider's breaker is DEGRADED.
+    pub degraded: bool,
 }
 
 /// Mutable routing state of one model.
@@ -26,6 +67,8 @@ pub struct ModelRouting {
     rr_next: usize,
     /// Next connection position per target index.
     conn_next: Vec<usize>,
+    /// (target, connection) of the last view picked by a load-aware tie rotation.
+    view_last: Option<(usize, usize)>,
 }
 
 impl ModelRouting {
@@ -34,34 +77,85 @@ impl ModelRouting {
             current: vec![0; targets],
             rr_next: 0,
             conn_next: vec![0; targets],
+            view_last: None,
         }
     }
 
-    /// Picks one offered target; `None` only when `offers` is empty. `random` is a value
-    /// in `[0, 1)` supplied by the caller, used by the `random` strategy.
-    pub fn pick(&mut self, strategy: Strategy, offers: &[Offer], random: f64) -> Option<usize> {
-        if offers.is_empty() {
-            return None;
-        }
+    /// Picks one view; `None` only when `views` is empty. Never returns an index outside
+    /// `views`. `random` holds two values in `[0, 1)` from the caller: `random.0` drives
+    /// `random` and the first `p2c` draw, `random.1` the second `p2c` draw.
+    /// `p2c_latency_weight` is the model's weight of the p2c latency term (0 = off).
+    pub fn pick_view(
+        &mut self,
+        strategy: Strategy,
+        views: &[View],
+        random: (f64, f64),
+        p2c_latency_weight: f64,
+    ) -> Option<usize> {
+        let healthy = views.iter().any(|v| !v.degraded);
+        let pool: Vec<usize> = (0..views.len())
+            .filter(|&i| strategy == Strategy::Priority || !healthy || !views[i].degraded)
+            .collect();
         let chosen = match strategy {
-            Strategy::Priority => offers[0].target,
-            Strategy::Weighted => self.smooth_weighted(offers),
-            Strategy::RoundRobin => {
-                // The first offered target at or after the rotation point, wrapping.
-                let n = self.current.len().max(1);
-                let start = self.rr_next % n;
-                let best = offers
-                    .iter()
-                    .min_by_key(|o| (o.target + n - start) % n)
-                    .map(|o| o.target)
-                    .unwrap_or(offers[0].target);
-                self.rr_next = best + 1;
-                best
+            Strategy::Priority
+            | Strategy::Weighted
+            | Strategy::RoundRobin
+            | Strategy::Random
+            | Strategy::CostOptimized => {
+                self.target_then_connection(strategy, views, &pool, random.0)
             }
-            Strategy::Random => {
-                let i = ((random.clamp(0.0, 0.999_999) * offers.len() as f64) as usize)
-                    .min(offers.len() - 1);
-                offers[i].target
+            Strategy::LeastUsed => load::least_used(views, &pool, &mut self.view_last),
+            Strategy::P2c => load::p2c(views, &pool, random, p2c_latency_weight),
+            Strategy::FillFirst => load::fill_first(views, &pool),
+            Strategy::ResetAware => load::reset_aware(views, &pool, &mut self.view_last),
+        };
+        // Every strategy returns a member of `pool`; the fallback only guards the contract.
+        chosen
+            .filter(|&i| i < views.len())
+            .or_else(|| pool.first().copied())
+    }
+
+    /// Target-level strategies over views: the targets present in `pool` become offers
+    /// (in target order), the strategy picks one, then its connections rotate.
+    fn target_then_connection(
+        &mut self,
+        strategy: Strategy,
+        views: &[View],
+        pool: &[usize],
+        random: f64,
+    ) -> Option<usize> {
+        let mut by_target: BTreeMap<usize, Offer> = BTreeMap::new();
+        for v in pool.iter().map(|&i| &views[i]) {
+            by_target.entry(v.target).or_insert(Offer {
+                target: v.target,
+                weight: v.weight,
+                cost: v.cost,
+            });
+        }
+        let offers: Vec<Offer> = by_target.into_values().collect();
+        let target = self.pick(strategy, &offers, random)?;
+        let in_target = || pool.iter().copied().filter(|&i| views[i].target == target);
+        let connections: Vec<usize> = in_target().map(|i| views[i].connection).collect();
+        let connection = self.pick_connection(target, &connections)?;
+        in_target().find(|&i| views[i].connection == connection)
+    }
+
+    /// Picks one offered target; `None` only when `offers` is empty. `random` is a value
+    /// in `[0, 1)` supplied by the caller, used by the `random` strategy. This level has no
+    /// load data, so the load-aware strategies fall back here: `least-used` rotates like
+    /// `round-robin`, `p2c` draws like `random`, `fill-first` and `reset-aware` take the
+    /// first offer like `priority`; [`ModelRouting::pick_view`] gives their real behaviour.
+    pub fn pick(&mut self, strategy: Strategy, offers: &[Offer], random: f64) -> Option<usize> {
+        let first = offers.first()?;
+        let chosen = match strategy {
+            Strategy::Priority | Strategy::FillFirst | Strategy::ResetAware => first.target,
+            Strategy::Weighted => self.smooth_weighted(offers),
+            Strategy::RoundRobin | Strategy::LeastUsed => self.round_robin(offers),
+            Strategy::Random | Strategy::P2c => {
+                offers
+                    .get(index(random, offers.len()))
+                    .unwrap_or(first)
+                    .target
             }
             Strategy::CostOptimized => offers
                 .iter()
@@ -71,10 +165,22 @@ impl ModelRouting {
                     let cb = b.cost.unwrap_or(f64::INFINITY);
                     ca.total_cmp(&cb).then(ia.cmp(ib))
                 })
-                .map(|(_, o)| o.target)
-                .unwrap_or(offers[0].target),
+                .map_or(first.target, |(_, o)| o.target),
         };
         Some(chosen)
+    }
+
+    /// The first offered target at or after the rotation point, wrapping.
+    fn round_robin(&mut self, offers: &[Offer]) -> usize {
+        let highest = offers.iter().map(|o| o.target).max().unwrap_or(0);
+        let n = self.current.len().max(highest + 1);
+        let start = self.rr_next % n;
+        let best = offers
+            .iter()
+            .min_by_key(|o| (o.target + n - start) % n)
+            .map_or(0, |o| o.target);
+        self.rr_next = best + 1;
+        best
     }
 
     /// nginx-style smooth weighted round-robin over the offered subset: every offered
@@ -117,6 +223,15 @@ impl ModelRouting {
         self.conn_next[target] = best + 1;
         Some(best)
     }
+}
+
+/// A uniform draw `random ∈ [0, 1)` as an index below `n` (`n ≥ 1`); out-of-range or
+/// NaN draws are clamped, so the result is always `< n`.
+fn index(random: f64, n: usize) -> usize {
+    if random.is_nan() || random <= 0.0 {
+        return 0;
+    }
+    ((random * n as f64) as usize).min(n.saturating_sub(1))
 }
 
 #[cfg(test)]

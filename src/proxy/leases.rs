@@ -1,0 +1,176 @@
+//! `POST /api/v1/session-leases` (SPEC §5.6): acquire, renew and release an exclusive
+//! session lease. Only client keys with the `lease:exclusive` scope and a non-empty
+//! `allowed_connections` list may hold leases. Every change is durable before the
+//! response; the owner token appears once, in the acquire response, and only its hash
+//! is kept.
+
+use super::admit::read_body;
+use super::{respond, RequestCtx};
+use crate::config::{Client, Family};
+use crate::engine::sessions::LeaseRefusal;
+use crate::engine::{Engine, Snapshot};
+use crate::error::ClientError;
+use crate::policy::lease::{Lease, LeaseError};
+use crate::policy::retry_after_secs;
+use pingora::proxy::Session;
+use serde::Deserialize;
+use serde_json::json;
+use std::time::{Duration, UNIX_EPOCH};
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LeaseRequest {
+    action: String,
+    ttl_s: Option<u64>,
+    owner: Option<String>,
+}
+
+fn rfc3339(ms: u64) -> String {
+    humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
+
+fn lease_json(l: &Lease, owner: Option<&str>) -> serde_json::Value {
+    let mut v = json!({
+        "generation": l.generation,
+        "connection": l.connection,
+        "expires_at": rfc3339(l.expires_at),
+    });
+    if let Some(o) = owner {
+        v["owner"] = json!(o);
+    }
+    v
+}
+
+fn lease_error(e: LeaseError, now: u64) -> ClientError {
+    match e {
+        LeaseError::CapacityUnavailable { retry_at } => {
+            let mut c = ClientError::new(
+                429,
+                "lease_capacity_unavailable",
+                "every eligible allowed connection is held by another lease",
+            );
+            c.retry_after = Some(retry_after_secs(retry_at, now));
+            c
+        }
+        LeaseError::UnknownOwner => {
+            ClientError::new(404, "lease_not_found", "no active lease for this owner")
+        }
+        LeaseError::WrongClient => {
+            ClientError::new(403, "forbidden", "this lease belongs to another client key")
+        }
+        LeaseError::StaleGeneration { current } => ClientError::new(
+            409,
+            "lease_generation_stale",
+            format!("current generation is {current}"),
+        ),
+        LeaseError::InvalidTtl(m) => ClientError::invalid_request(m),
+        LeaseError::NoneEligible => ClientError::new(
+            404,
+            "no_executable_targets",
+            "none of this key's allowed connections can run",
+        ),
+    }
+}
+
+async fn answer(
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+    result: Result<serde_json::Value, ClientError>,
+) -> pingora::Result<bool> {
+    match result {
+        Ok(v) => {
+            ctx.status = 200;
+            respond::write_local(
+                session,
+                200,
+                "application/json",
+                &[],
+                serde_json::to_vec(&v).unwrap_or_default(),
+            )
+            .await?;
+        }
+        Err(e) => {
+            ctx.status = e.status;
+            ctx.note = Some(e.code);
+            respond::write_error(session, Family::OpenAi, &e, Vec::new()).await?;
+        }
+    }
+    Ok(true)
+}
+
+pub async fn handle(
+    engine: &Engine,
+    snap: &Snapshot,
+    session: &mut Session,
+    client: Option<&Client>,
+    ctx: &mut RequestCtx,
+) -> pingora::Result<bool> {
+    let result = run(engine, snap, session, client).await;
+    answer(session, ctx, result).await
+}
+
+async fn run(
+    engine: &Engine,
+    snap: &Snapshot,
+    session: &mut Session,
+    client: Option<&Client>,
+) -> Result<serde_json::Value, ClientError> {
+    let client = client
+        .filter(|c| {
+            c.scopes.iter().any(|s| s == "lease:exclusive")
+                && c.allowed_connections
+                    .as_ref()
+                    .is_some_and(|l| !l.is_empty())
+        })
+        .ok_or_else(|| {
+            ClientError::new(
+                403,
+                "forbidden",
+                "this client key lacks the lease:exclusive scope or an allowed_connections list",
+            )
+        })?;
+    let raw = read_body(session, 64 * 1024).await?;
+    let req: LeaseRequest = serde_json::from_slice(&raw)
+        .map_err(|e| ClientError::invalid_request(format!("lease request: {e}")))?;
+    let ttl = req.ttl_s.map(Duration::from_secs);
+    let now = engine.now();
+    let owner = || {
+        req.owner
+            .as_deref()
+            .ok_or_else(|| ClientError::invalid_request(format!("{} needs \"owner\"", req.action)))
+    };
+    match req.action.as_str() {
+        "acquire" => match engine.lease_acquire(snap, client, ttl).await {
+            Ok((token, lease)) => {
+                tracing::info!(client = %client.id, connection = %lease.connection, generation = lease.generation, "lease acquired");
+                Ok(lease_json(&lease, Some(&token)))
+            }
+            Err(LeaseRefusal::Lease(e)) => Err(lease_error(e, now)),
+            Err(LeaseRefusal::NoneEligible { retry_at: Some(t) }) => {
+                let mut e = ClientError::new(
+                    503,
+                    "all_targets_cooling_down",
+                    "every allowed connection is cooling down",
+                );
+                e.retry_after = Some(retry_after_secs(t, now));
+                Err(e)
+            }
+            Err(LeaseRefusal::NoneEligible { retry_at: None }) => {
+                Err(lease_error(LeaseError::NoneEligible, now))
+            }
+        },
+        "renew" => engine
+            .lease_renew(client, owner()?, ttl)
+            .await
+            .map(|l| lease_json(&l, None))
+            .map_err(|e| lease_error(e, now)),
+        "release" => engine
+            .lease_release(client, owner()?)
+            .await
+            .map(|l| json!({"released": true, "connection": l.connection}))
+            .map_err(|e| lease_error(e, now)),
+        other => Err(ClientError::invalid_request(format!(
+            "unknown action {other:?}; expected acquire, renew or release"
+        ))),
+    }
+}
