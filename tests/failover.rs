@@ -131,8 +131,15 @@ fn last_upstream_429_is_passed_through_with_retry_after() {
             "status=429;retry_after=9;body={\"error\":{\"message\":\"b is limited\"}}",
         ],
     );
+    // The combo wait (issue #4) would wait out the 7 s; switched off here to show the
+    // pass-through itself.
     let gw = Gateway::start(
-        &two_provider_config(&a.base_url(), &b.base_url(), "", ""),
+        &two_provider_config(
+            &a.base_url(),
+            &b.base_url(),
+            "",
+            "resilience:\n  combo_wait: { enabled: false }\n",
+        ),
         KEYS,
     );
     let r = request(

@@ -161,7 +161,9 @@ pub fn limits(snap: &Snapshot, model: usize, c: &Candidate) -> Limits {
     }
 }
 
-/// Evaluates every (target, connection) of `model` that the asker may use.
+/// Evaluates every (target, connection) of `model` that the asker may use. A timer
+/// exclusion is reported even for a candidate this request already tried: it tells the
+/// combo wait when the candidate comes back.
 pub fn evaluate(
     engine: &Engine,
     snap: &Snapshot,
@@ -215,10 +217,8 @@ pub fn evaluate(
                 detail,
                 cause,
             };
-            if tried.providers.contains(&t.provider)
-                || tried.connections.contains(&(t.provider, ci))
-                || tried.targets.contains(&ti)
-            {
+            // A provider-level failure in this request is not undone by waiting.
+            if tried.providers.contains(&t.provider) {
                 out.excluded
                     .push(excluded(ExclusionReason::AlreadyTried, None, None, None));
                 continue;
@@ -276,6 +276,11 @@ pub fn evaluate(
                     ));
                     continue;
                 }
+            }
+            if tried.connections.contains(&(t.provider, ci)) || tried.targets.contains(&ti) {
+                out.excluded
+                    .push(excluded(ExclusionReason::AlreadyTried, None, None, None));
+                continue;
             }
             if let Some(until) = leases.held_by_other(&key, asker.lease.map(|(h, _)| h), now) {
                 out.excluded.push(excluded(

@@ -95,7 +95,7 @@ impl Gateway {
         std::fs::write(self.dir.0.join("sluice.yaml"), yaml).expect("write config");
     }
 
-    fn admin(&self, method: &str, path: &str, body: &str) -> Response {
+    pub fn admin(&self, method: &str, path: &str, body: &str) -> Response {
         let auth = format!("Bearer {ADMIN_TOKEN}");
         request(
             self.admin,
