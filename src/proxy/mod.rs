@@ -7,6 +7,7 @@
 //! decisions live in `engine`, `routing` and `dispatch`.
 
 pub mod admit;
+pub mod attempt;
 pub mod body;
 pub mod dispatch;
 pub mod leases;

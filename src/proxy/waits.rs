@@ -4,7 +4,8 @@
 //!
 //! Every wait is bounded and races the client; a client that leaves ends the wait.
 
-use super::dispatch::{finish_error, race, Request, Wait};
+use super::attempt::{race, Wait};
+use super::dispatch::{finish_error, Request};
 use super::RequestCtx;
 use crate::engine::permits::PermitGuard;
 use crate::engine::select::{self, Candidate, Exclusion, ExclusionReason};
