@@ -176,3 +176,70 @@ fn client_disconnect_stops_the_upstream_stream() {
     assert!(sent < 60, "upstream kept streaming: {sent} chunks");
     assert_eq!(mock.stats()["streams_completed"], 0);
 }
+
+#[test]
+fn throughput_watchdog_ends_a_trickling_stream() {
+    // ~10 text bytes every 400 ms is far below 200 B/s: aborted after warmup + window.
+    let mock = Mock::start(&["--chunks", "40", "--chunk-interval", "400ms"]);
+    let gw = Gateway::start(
+        &config(
+            &mock.base_url(),
+            "resilience:\n  watchdog: { enabled: true, warmup: \"1s\", window: \"1s\", min_bytes_per_sec: 200 }\n",
+        ),
+        KEY,
+    );
+    let started = Instant::now();
+    let mut s = open_stream(
+        gw.client,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        br#"{"model":"m","stream":true}"#,
+    );
+    assert_eq!(s.status, 200);
+    let body = s.read_to_end(Duration::from_secs(20));
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(6),
+        "took {took:?}"
+    );
+    let events = parse_sse(&body);
+    let last = events.last().expect("events");
+    assert_eq!(
+        last.json()["error"]["code"],
+        "throughput",
+        "{:?}",
+        last.data
+    );
+    assert!(wait_until(Duration::from_secs(3), || mock.stats()
+        ["streams_aborted"]
+        == 1));
+    let m = common::request(gw.admin, "GET", "/metrics", &[], b"").text();
+    assert!(
+        m.contains("sluice_stream_aborts_total{reason=\"throughput\"} 1"),
+        "{m}"
+    );
+}
+
+#[test]
+fn throughput_watchdog_leaves_a_fast_stream_alone() {
+    let mock = Mock::start(&["--chunks", "60", "--chunk-interval", "50ms"]);
+    let gw = Gateway::start(
+        &config(
+            &mock.base_url(),
+            "resilience:\n  watchdog: { enabled: true, warmup: \"1s\", window: \"1s\", min_bytes_per_sec: 50 }\n",
+        ),
+        KEY,
+    );
+    let mut s = open_stream(
+        gw.client,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        br#"{"model":"m","stream":true}"#,
+    );
+    let body = s.read_to_end(Duration::from_secs(20));
+    let events = parse_sse(&body);
+    assert_eq!(events.last().map(|e| e.data.as_str()), Some("[DONE]"));
+    assert_eq!(mock.stats()["streams_completed"], 1);
+}

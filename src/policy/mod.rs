@@ -17,6 +17,7 @@ pub mod retry_hint;
 
 pub mod affinity;
 pub mod lease;
+pub mod watchdog;
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

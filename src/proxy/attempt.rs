@@ -9,12 +9,13 @@
 
 use super::dispatch::{sluice_headers, Request};
 use super::respond;
-use super::sse::SseProgress;
+use super::sse::{SseAssembler, SseEvent, SseProgress};
 use super::upstream;
 use super::RequestCtx;
 use crate::engine::record::{AttemptInfo, Outcome};
 use crate::engine::Pick;
 use crate::policy::classify::TransportKind;
+use crate::policy::watchdog::{classify_event, ThroughputWatchdog, WatchdogConfig};
 use bytes::{Bytes, BytesMut};
 use pingora::http::ResponseHeader;
 use pingora::prelude::HttpPeer;
@@ -286,11 +287,15 @@ pub(super) async fn attempt(
                 .await;
         }
         StreamEnd::Aborted(reason) => {
-            if reason == "stall" {
+            if reason == "stall" || reason == "throughput" {
                 r.engine.record(
                     info,
                     Outcome::Stall {
-                        message: "stream stalled after commit",
+                        message: if reason == "stall" {
+                            "stream stalled after commit"
+                        } else {
+                            "stream throughput below the watchdog minimum"
+                        },
                     },
                 );
             }
@@ -331,11 +336,26 @@ async fn stream_body(
     let stall = r.snap.config.resilience.stream.stall_timeout;
     let mut progress = SseProgress::default();
     let mut last_progress = Instant::now();
+    let mut watchdog = Watch::new(r, is_sse);
     let mut next = Some(first);
     loop {
         if let Some(chunk) = next.take() {
             if !is_sse || progress.feed(&chunk) {
                 last_progress = Instant::now();
+            }
+            let too_slow = watchdog
+                .as_mut()
+                .is_some_and(|w| w.too_slow(&chunk, r.engine.now()));
+            if too_slow {
+                // The chunk that tipped the verdict is not delivered (SPEC §5.9).
+                return end_with_error(
+                    session,
+                    r,
+                    is_sse,
+                    "throughput",
+                    "the upstream stream is below the throughput minimum",
+                )
+                .await;
             }
             if session
                 .write_response_body(Some(chunk), false)
@@ -414,4 +434,33 @@ async fn end_with_error(
         session.downstream_session.set_keepalive(None);
     }
     StreamEnd::Aborted(reason)
+}
+
+/// The throughput watchdog of one streamed response (SPEC §5.9), when enabled: SSE
+/// events are assembled from the chunks and only text deltas count as useful output.
+struct Watch {
+    events: SseAssembler,
+    dog: ThroughputWatchdog,
+    scratch: Vec<SseEvent>,
+}
+
+impl Watch {
+    fn new(r: &Request<'_>, is_sse: bool) -> Option<Self> {
+        let cfg = &r.snap.config.resilience.watchdog;
+        (cfg.enabled && is_sse).then(|| Watch {
+            events: SseAssembler::new(64 * 1024),
+            dog: ThroughputWatchdog::new(WatchdogConfig::from(cfg), r.engine.now()),
+            scratch: Vec::new(),
+        })
+    }
+
+    /// Feeds one chunk; true when the stream should be aborted.
+    fn too_slow(&mut self, chunk: &[u8], now: crate::policy::Millis) -> bool {
+        self.events.feed(chunk, &mut self.scratch);
+        for e in self.scratch.drain(..) {
+            self.dog
+                .observe(classify_event(e.event.as_deref(), &e.data), now);
+        }
+        self.dog.should_abort(now)
+    }
 }

@@ -27,11 +27,6 @@ impl Validator<'_> {
                         RESILIENCE_KEYS.join(", ")
                     ),
                 );
-            } else if k == "watchdog" {
-                self.warn(
-                    &format!("resilience.{k}"),
-                    "accepted but not enforced yet in this version",
-                );
             }
         }
         let bm = sub_mapping(&map, "breaker");
