@@ -27,7 +27,7 @@ wait_listen() {
     [ -n "$a" ] && { echo "$a"; return 0; }
     sleep 0.1
   done
-  echo "bench: $2 did not start" >&2; exit 1
+  echo "bench: $2 did not start" >&2; cat "${1%.out}.log" >&2 2>/dev/null; exit 1
 }
 
 "$BIN/sluice-mock" --listen 127.0.0.1:0 --threads 2 --chunks 8 --chunk-interval 0ms >"$WORK/mock.out" 2>&1 &
@@ -37,6 +37,8 @@ MOCK=$(wait_listen "$WORK/mock.out" mock)
 cat >"$WORK/sluice.yaml" <<YAML
 server: { listen: "127.0.0.1:0", admin_listen: "127.0.0.1:0", threads: 2 }
 admin: { token_env: SLUICE_ADMIN_TOKEN }
+state: { path: "$WORK/state.redb" }
+rules_dir: "$WORK/rules"
 providers:
   - id: mock
     base_url: "http://$MOCK"

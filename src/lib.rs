@@ -7,6 +7,7 @@ pub mod clock;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod logging;
 pub mod metrics;
 pub mod mock;
 pub mod policy;

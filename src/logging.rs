@@ -1,0 +1,131 @@
+//! Log output off the request path.
+//!
+//! The access log writes one line per request; writing it straight to stderr costs a
+//! syscall (and a global lock) on the request's thread. Here each formatted line is
+//! handed to a dedicated writer thread over a bounded channel and written in batches.
+//! The request path never blocks on logging: when the channel is full the line is
+//! dropped and counted, and the count is reported on the next line that gets through.
+
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::Duration;
+use tracing_subscriber::fmt::MakeWriter;
+
+/// Lines that may wait for the writer before new ones are dropped.
+const QUEUE: usize = 65_536;
+
+enum Msg {
+    Line(Vec<u8>),
+    /// Write out everything queued before this, then acknowledge.
+    Flush(std::sync::mpsc::Sender<()>),
+}
+
+#[derive(Clone)]
+pub struct Background {
+    tx: SyncSender<Msg>,
+    dropped: Arc<AtomicU64>,
+}
+
+impl Background {
+    /// Waits (at most `limit`) until every line queued so far is written: used before
+    /// the process exits, which would otherwise lose the last lines.
+    pub fn flush(&self, limit: Duration) {
+        let (ack, done) = std::sync::mpsc::channel();
+        if self.tx.send(Msg::Flush(ack)).is_ok() {
+            let _ = done.recv_timeout(limit);
+        }
+    }
+}
+
+/// One log event being formatted; sent to the writer thread when dropped.
+pub struct Line {
+    buf: Vec<u8>,
+    bg: Background,
+}
+
+impl Write for Line {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for Line {
+    fn drop(&mut self) {
+        if self.buf.is_empty() {
+            return;
+        }
+        let buf = std::mem::take(&mut self.buf);
+        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) =
+            self.bg.tx.try_send(Msg::Line(buf))
+        {
+            self.bg.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl<'a> MakeWriter<'a> for Background {
+    type Writer = Line;
+    fn make_writer(&'a self) -> Line {
+        Line {
+            buf: Vec::with_capacity(256),
+            bg: self.clone(),
+        }
+    }
+}
+
+fn drain(rx: Receiver<Msg>, dropped: Arc<AtomicU64>) {
+    let mut out = std::io::BufWriter::with_capacity(64 * 1024, std::io::stderr());
+    let mut acks = Vec::new();
+    loop {
+        match rx.recv_timeout(Duration::from_millis(200)) {
+            Ok(first) => {
+                let lost = dropped.swap(0, Ordering::Relaxed);
+                if lost > 0 {
+                    let _ = writeln!(
+                        out,
+                        "sluice: {lost} log line(s) dropped (log writer behind)"
+                    );
+                }
+                // Write whatever else is already queued before flushing once.
+                let mut next = Some(first);
+                while let Some(msg) = next {
+                    match msg {
+                        Msg::Line(line) => {
+                            let _ = out.write_all(&line);
+                        }
+                        Msg::Flush(ack) => acks.push(ack),
+                    }
+                    next = rx.try_recv().ok();
+                }
+                let _ = out.flush();
+                for ack in acks.drain(..) {
+                    let _ = ack.send(());
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => {
+                let _ = out.flush();
+                return;
+            }
+        }
+    }
+}
+
+/// Starts the writer thread and returns the `MakeWriter` for the subscriber. Falls back
+/// to `None` (the caller then writes to stderr directly) if the thread cannot start.
+pub fn background() -> Option<Background> {
+    let (tx, rx) = sync_channel(QUEUE);
+    let dropped = Arc::new(AtomicU64::new(0));
+    let d = dropped.clone();
+    std::thread::Builder::new()
+        .name("sluice-log".into())
+        .spawn(move || drain(rx, d))
+        .ok()?;
+    Some(Background { tx, dropped })
+}
