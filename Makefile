@@ -19,8 +19,9 @@ run: build
 	./deploy/run-demo.sh
 
 ## Unit, property and integration tests (integration tests spawn the real binaries).
+## Benchmarks are linted by `make lint` and run by `make bench`, not here.
 test:
-	$(CARGO) test --all-targets
+	$(CARGO) test --lib --bins --tests
 
 ## Formatting and lints, warnings are errors.
 lint:

@@ -51,6 +51,12 @@ fn engine(providers: usize, per: usize, strategy: &str) -> Arc<Engine> {
 }
 
 fn main() {
+    // `cargo test --all-targets` runs harness-less benches too; only measure under
+    // `cargo bench`, which passes `--bench`.
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("selection benchmark: run it with `cargo bench --bench selection`");
+        return;
+    }
     println!(
         "{:<16} {:>12} {:>14}",
         "strategy", "connections", "ns/selection"
