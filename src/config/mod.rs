@@ -11,4 +11,4 @@ pub mod units;
 pub mod validate;
 
 pub use types::*;
-pub use validate::{load_file, parse_str, EnvLookup, Loaded, Problem};
+pub use validate::{load_file, parse_str, read_source, ConfigText, EnvLookup, Loaded, Problem};

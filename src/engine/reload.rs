@@ -10,7 +10,7 @@
 use super::state::{change, lock};
 use super::{fingerprint, BaseConfig, Engine, Snapshot};
 use crate::config::settings;
-use crate::config::{self, Loaded, Problem};
+use crate::config::{self, Problem};
 use crate::policy::cooldown::Cleared;
 use crate::policy::Millis;
 use crate::rules::RuleSet;
@@ -64,16 +64,6 @@ fn env_lookup(name: &str) -> Option<String> {
     std::env::var(name).ok()
 }
 
-/// Loads and validates the config file and the rule files it points at.
-pub fn load_all(
-    path: &Path,
-    env: config::EnvLookup<'_>,
-) -> Result<(Loaded, RuleSet), Vec<Problem>> {
-    let loaded = config::load_file(path, env)?;
-    let rules = RuleSet::load_dir(&loaded.config.rules_dir)?;
-    Ok((loaded, rules))
-}
-
 /// A validated generation, ready to be swapped in.
 pub struct Prepared {
     pub snapshot: Snapshot,
@@ -88,15 +78,7 @@ pub fn prepare(
     overrides: &BTreeMap<String, serde_json::Value>,
     generation: u64,
 ) -> Result<Prepared, Vec<Problem>> {
-    let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        vec![Problem {
-            file: file.clone(),
-            path: String::new(),
-            reason: format!("cannot read file: {e}"),
-        }]
-    })?;
-    let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+    let config::ConfigText { text, file, dir } = config::read_source(path)?;
     let loaded = config::parse_str(&text, &file, &dir, env)?;
     let rules = RuleSet::load_dir(&loaded.config.rules_dir)?;
     let base = Arc::new(BaseConfig {

@@ -14,6 +14,7 @@ pub mod window_gate;
 pub mod cooldown;
 pub mod lockout;
 pub mod retry_hint;
+pub mod timefmt;
 
 pub mod affinity;
 pub mod lease;

@@ -10,9 +10,10 @@
 //! zero-length cooldown. It deliberately does not cap hints: `max_hint` belongs to the
 //! cooldown policy, which knows the configuration.
 
+use super::timefmt::{http_date_ms, openai_duration, rfc3339_ms, scan_duration};
 use super::Millis;
 use http::HeaderMap;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
 /// Only this much of an error body is scanned: hints sit near the start, and a bounded
 /// scan keeps a hostile body from costing more than a fixed amount of CPU.
@@ -60,28 +61,9 @@ pub fn parse_hint(headers: &HeaderMap, body: &[u8], now: Millis) -> Option<Durat
 /// Parses an IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`, RFC 9110 §5.6.7) into unix
 /// milliseconds. The obsolete RFC 850 and asctime forms are not accepted; neither are
 /// dates before 1970. The day name is checked for spelling, not against the date.
+/// Same as [`super::timefmt::http_date_ms`].
 pub fn parse_http_date(s: &str) -> Option<Millis> {
-    let mut parts = s.split_ascii_whitespace();
-    let day_name = parts.next()?.strip_suffix(',')?;
-    if !["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"]
-        .iter()
-        .any(|d| d.eq_ignore_ascii_case(day_name))
-    {
-        return None;
-    }
-    let day = small_number(parts.next()?, 1, 2)?;
-    let month = month_number(parts.next()?)?;
-    let year = small_number(parts.next()?, 4, 4)?;
-    let (hour, minute, second) = clock_time(parts.next()?)?;
-    if parts.next()? != "GMT" || parts.next().is_some() {
-        return None;
-    }
-    if year < 1970 || day == 0 || day > days_in_month(year, month) {
-        return None;
-    }
-    let days = days_since_epoch(year, month, day);
-    let secs = days * 86_400 + u64::from(hour) * 3_600 + u64::from(minute) * 60;
-    Some((secs + u64::from(second)) * 1_000)
+    http_date_ms(s)
 }
 
 fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
@@ -117,21 +99,15 @@ fn retry_after_ms(headers: &HeaderMap) -> Option<Duration> {
 fn openai_reset(headers: &HeaderMap) -> Option<Duration> {
     OPENAI_RESET
         .iter()
-        .filter_map(|name| {
-            let v = header_str(headers, name)?;
-            let (secs, used) = scan_duration(v.as_bytes(), true)?;
-            if used != v.len() {
-                return None;
-            }
-            seconds(secs)
-        })
+        .filter_map(|name| openai_duration(header_str(headers, name)?))
+        .filter(|d| !d.is_zero())
         .max()
 }
 
 fn anthropic_reset(headers: &HeaderMap, now: Millis) -> Option<Duration> {
     ANTHROPIC_RESET
         .iter()
-        .filter_map(|name| parse_rfc3339(header_str(headers, name)?))
+        .filter_map(|name| rfc3339_ms(header_str(headers, name)?))
         .max()
         .and_then(|deadline| until(deadline, now))
 }
@@ -143,8 +119,8 @@ fn body_hint(body: &[u8]) -> Option<Duration> {
     let text = String::from_utf8_lossy(body).to_ascii_lowercase();
     let bytes = text.as_bytes();
     let mut best: Option<Duration> = None;
-    let mut offer = |found: Option<(f64, usize)>| {
-        if let Some(d) = found.and_then(|(secs, _)| seconds(secs)) {
+    let mut offer = |found: Option<(Duration, usize)>| {
+        if let Some((d, _)) = found.filter(|(d, _)| !d.is_zero()) {
             best = Some(best.map_or(d, |b| b.max(d)));
         }
     };
@@ -171,176 +147,14 @@ fn skip_spaces(b: &[u8]) -> &[u8] {
     &b[n..]
 }
 
-/// A string that is exactly one unsigned decimal number ("3", "2.5").
+/// A string that is exactly one unsigned decimal number ("3", "2.5"; not "3." or ".5").
 fn whole_number(s: &str) -> Option<f64> {
-    let (v, used) = scan_number(s.as_bytes())?;
-    (used == s.len()).then_some(v)
-}
-
-/// An unsigned decimal number at the start of `b`: digits, optionally `.` and more
-/// digits. No sign, exponent, `inf` or `nan` — those are not durations.
-fn scan_number(b: &[u8]) -> Option<(f64, usize)> {
-    let int = b.iter().take_while(|c| c.is_ascii_digit()).count();
-    if int == 0 {
-        return None;
-    }
-    let mut end = int;
-    if b.get(int) == Some(&b'.') {
-        let frac = b[int + 1..]
-            .iter()
-            .take_while(|c| c.is_ascii_digit())
-            .count();
-        if frac > 0 {
-            end = int + 1 + frac;
-        }
-    }
-    let text = std::str::from_utf8(&b[..end]).ok()?;
-    text.parse::<f64>().ok().map(|v| (v, end))
-}
-
-/// Seconds per unit word, for the units upstreams write ("ms", "s", "sec", "minutes").
-fn unit_seconds(unit: &[u8]) -> Option<f64> {
-    let secs = match unit {
-        b"ns" | b"nanosecond" | b"nanoseconds" => 1e-9,
-        b"us" | b"\xc2\xb5s" | b"microsecond" | b"microseconds" => 1e-6,
-        b"ms" | b"msec" | b"msecs" | b"millisecond" | b"milliseconds" => 1e-3,
-        b"s" | b"sec" | b"secs" | b"second" | b"seconds" => 1.0,
-        b"m" | b"min" | b"mins" | b"minute" | b"minutes" => 60.0,
-        b"h" | b"hr" | b"hrs" | b"hour" | b"hours" => 3_600.0,
-        b"d" | b"day" | b"days" => 86_400.0,
-        _ => return None,
-    };
-    Some(secs)
-}
-
-/// A duration at the start of `b`, as seconds and the bytes consumed: one or more
-/// `<number><unit>` components ("1h2m3.5s", "6m0s", "20ms", "3 seconds"). With
-/// `bare_seconds`, a lone number without a unit means seconds; without it (free body
-/// text) a unit is required so that "retry after 3 attempts" is not read as a wait.
-fn scan_duration(b: &[u8], bare_seconds: bool) -> Option<(f64, usize)> {
-    let mut total = 0.0_f64;
-    let mut pos = 0;
-    let mut components = 0;
-    loop {
-        let start = if components == 0 {
-            0
-        } else {
-            pos + skip_ws_len(&b[pos..])
-        };
-        let Some((value, num_len)) = scan_number(&b[start..]) else {
-            break;
-        };
-        let after_num = start + num_len;
-        let unit_at = after_num + skip_ws_len(&b[after_num..]);
-        let unit_len = b[unit_at..]
-            .iter()
-            .take_while(|c| c.is_ascii_alphabetic() || **c == 0xc2 || **c == 0xb5)
-            .count();
-        let factor = match unit_seconds(&b[unit_at..unit_at + unit_len]) {
-            Some(f) => f,
-            // A bare number means seconds only when it is the whole first component;
-            // a stray number or word after a good component ends the duration there.
-            None if components == 0 => {
-                return (unit_len == 0 && bare_seconds).then_some((value, after_num));
-            }
-            None => break,
-        };
-        total += value * factor;
-        pos = unit_at + unit_len;
-        components += 1;
-    }
-    (components > 0).then_some((total, pos))
-}
-
-fn skip_ws_len(b: &[u8]) -> usize {
-    b.iter().take_while(|c| **c == b' ').count()
-}
-
-/// RFC 3339 timestamp → unix milliseconds. humantime handles `Z`/`+00:00`; any other
-/// numeric offset is removed here and applied by hand.
-fn parse_rfc3339(s: &str) -> Option<Millis> {
-    let (main, offset_secs) = split_offset(s);
-    let t = humantime::parse_rfc3339_weak(main).ok()?;
-    let utc_ms = i128::try_from(t.duration_since(UNIX_EPOCH).ok()?.as_millis()).ok()?;
-    u64::try_from(utc_ms - i128::from(offset_secs) * 1_000).ok()
-}
-
-/// Splits a trailing `±HH:MM` offset off a timestamp (returns offset 0 when absent).
-fn split_offset(s: &str) -> (&str, i64) {
-    let b = s.as_bytes();
-    if b.len() < 25 {
-        return (s, 0);
-    }
-    let tail = &b[b.len() - 6..];
-    let sign = match tail[0] {
-        b'+' => 1,
-        b'-' => -1,
-        _ => return (s, 0),
-    };
-    let digits = |i: usize| -> Option<i64> {
-        let (a, c) = (tail[i], tail[i + 1]);
-        (a.is_ascii_digit() && c.is_ascii_digit()).then(|| i64::from((a - b'0') * 10 + c - b'0'))
-    };
-    match (digits(1), tail[3], digits(4)) {
-        (Some(h), b':', Some(m)) if h < 24 && m < 60 => match s.get(..s.len() - 6) {
-            Some(main) => (main, sign * (h * 3_600 + m * 60)),
-            None => (s, 0),
-        },
-        _ => (s, 0),
-    }
-}
-
-/// A decimal number of `min..=max` ASCII digits.
-fn small_number(s: &str, min: usize, max: usize) -> Option<u32> {
-    if s.len() < min || s.len() > max || !s.bytes().all(|c| c.is_ascii_digit()) {
+    let (int, frac) = s.split_once('.').unwrap_or((s, "0"));
+    let all_digits = |t: &str| !t.is_empty() && t.bytes().all(|c| c.is_ascii_digit());
+    if !all_digits(int) || !all_digits(frac) {
         return None;
     }
     s.parse().ok()
-}
-
-fn month_number(s: &str) -> Option<u32> {
-    const MONTHS: [&str; 12] = [
-        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
-    ];
-    let i = MONTHS.iter().position(|m| m.eq_ignore_ascii_case(s))?;
-    u32::try_from(i + 1).ok()
-}
-
-/// `HH:MM:SS`; a leap second (`:60`) is read as `:59`.
-fn clock_time(s: &str) -> Option<(u32, u32, u32)> {
-    let mut it = s.split(':');
-    let h = small_number(it.next()?, 2, 2)?;
-    let m = small_number(it.next()?, 2, 2)?;
-    let sec = small_number(it.next()?, 2, 2)?;
-    if it.next().is_some() || h > 23 || m > 59 || sec > 60 {
-        return None;
-    }
-    Some((h, m, sec.min(59)))
-}
-
-fn is_leap(year: u32) -> bool {
-    year % 4 == 0 && (year % 100 != 0 || year % 400 == 0)
-}
-
-fn days_in_month(year: u32, month: u32) -> u32 {
-    match month {
-        2 if is_leap(year) => 29,
-        2 => 28,
-        4 | 6 | 9 | 11 => 30,
-        _ => 31,
-    }
-}
-
-/// Days from 1970-01-01 to `year-month-day` (year ≥ 1970, date already validated).
-fn days_since_epoch(year: u32, month: u32, day: u32) -> u64 {
-    let y = u64::from(year);
-    // Leap days in the years strictly before `year`, counted from year 0 then rebased.
-    let leaps_before = |y: u64| (y - 1) / 4 - (y - 1) / 100 + (y - 1) / 400;
-    let mut days = (y - 1970) * 365 + leaps_before(y) - leaps_before(1970);
-    for m in 1..month {
-        days += u64::from(days_in_month(year, m));
-    }
-    days + u64::from(day) - 1
 }
 
 #[cfg(test)]

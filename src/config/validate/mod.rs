@@ -46,8 +46,16 @@ pub struct Loaded {
 /// Environment lookup, passed in so tests and reloads do not depend on process state.
 pub type EnvLookup<'a> = &'a dyn Fn(&str) -> Option<String>;
 
-/// Reads and validates the config file at `path`.
-pub fn load_file(path: &Path, env: EnvLookup<'_>) -> Result<Loaded, Vec<Problem>> {
+/// A config file as read from disk: its text, its name for messages, and the
+/// directory relative `*_file` paths are resolved against.
+pub struct ConfigText {
+    pub text: String,
+    pub file: String,
+    pub dir: PathBuf,
+}
+
+/// Reads the config file at `path` (an unreadable file is a problem like any other).
+pub fn read_source(path: &Path) -> Result<ConfigText, Vec<Problem>> {
     let file = path.display().to_string();
     let text = std::fs::read_to_string(path).map_err(|e| {
         vec![Problem {
@@ -56,8 +64,14 @@ pub fn load_file(path: &Path, env: EnvLookup<'_>) -> Result<Loaded, Vec<Problem>
             reason: format!("cannot read file: {e}"),
         }]
     })?;
-    let base = path.parent().map(Path::to_path_buf).unwrap_or_default();
-    parse_str(&text, &file, &base, env)
+    let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+    Ok(ConfigText { text, file, dir })
+}
+
+/// Reads and validates the config file at `path`.
+pub fn load_file(path: &Path, env: EnvLookup<'_>) -> Result<Loaded, Vec<Problem>> {
+    let src = read_source(path)?;
+    parse_str(&src.text, &src.file, &src.dir, env)
 }
 
 /// Validates config text. `base_dir` anchors relative `*_file` paths.
