@@ -13,6 +13,7 @@ use crate::policy::lockout::Lockout;
 use crate::policy::window_gate::WindowGate;
 use crate::policy::{Millis, Reason};
 use crate::store::{Change, Image, Table};
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
@@ -55,6 +56,32 @@ pub struct Tables {
     providers: RwLock<HashMap<String, Shared<ProviderEntry>>>,
     connections: RwLock<HashMap<String, Shared<ConnEntry>>>,
     lockouts: Mutex<HashMap<String, LockEntry>>,
+}
+
+/// Decodes one table of the image into a keyed map of shared entries; returns how
+/// many were restored.
+fn restore_into<T: DeserializeOwned>(
+    image: &Image,
+    table: Table,
+    map: &RwLock<HashMap<String, Shared<T>>>,
+) -> usize {
+    let Some(rows) = image.get(&table) else {
+        return 0;
+    };
+    let mut map = map.write().unwrap_or_else(|p| p.into_inner());
+    let mut n = 0;
+    for (k, v) in rows {
+        match serde_json::from_value::<T>(v.clone()) {
+            Ok(e) => {
+                map.insert(k.clone(), Arc::new(Mutex::new(e)));
+                n += 1;
+            }
+            Err(e) => {
+                tracing::warn!(table = table.as_str(), key = %k, error = %e, "state: skipping undecodable entry")
+            }
+        }
+    }
+    n
 }
 
 /// `provider/connection`.
@@ -229,35 +256,8 @@ impl Tables {
     /// Restores persisted state; entries that no longer decode are skipped (logged), and
     /// lockouts that have expired are dropped.
     pub fn restore(&self, image: &Image, now: Millis) -> usize {
-        let mut n = 0;
-        if let Some(rows) = image.get(&Table::Breakers) {
-            let mut map = self.providers.write().unwrap_or_else(|p| p.into_inner());
-            for (k, v) in rows {
-                match serde_json::from_value::<ProviderEntry>(v.clone()) {
-                    Ok(e) => {
-                        map.insert(k.clone(), Arc::new(Mutex::new(e)));
-                        n += 1;
-                    }
-                    Err(e) => {
-                        tracing::warn!(key = %k, error = %e, "state: skipping undecodable breaker entry")
-                    }
-                }
-            }
-        }
-        if let Some(rows) = image.get(&Table::Connections) {
-            let mut map = self.connections.write().unwrap_or_else(|p| p.into_inner());
-            for (k, v) in rows {
-                match serde_json::from_value::<ConnEntry>(v.clone()) {
-                    Ok(e) => {
-                        map.insert(k.clone(), Arc::new(Mutex::new(e)));
-                        n += 1;
-                    }
-                    Err(e) => {
-                        tracing::warn!(key = %k, error = %e, "state: skipping undecodable connection entry")
-                    }
-                }
-            }
-        }
+        let mut n = restore_into(image, Table::Breakers, &self.providers);
+        n += restore_into(image, Table::Connections, &self.connections);
         if let Some(rows) = image.get(&Table::Lockouts) {
             let mut map = lock(&self.lockouts);
             for (k, v) in rows {
