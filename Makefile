@@ -34,10 +34,11 @@ check:
 	SLUICE_KEY_TEAM_A=example OPENAI_KEY_1=example OPENAI_KEY_2=example ANTHROPIC_KEY=example \
 		$(CARGO) run --quiet --bin sluice -- check --config conf/sluice.yaml
 
-## Side-by-side benchmark: direct mock vs Sluice (vs nginx when installed), then the
-## selection micro-benchmark.
+## Side-by-side benchmark: direct mock vs Sluice (vs nginx when installed), 1,000
+## concurrent SSE streams, then the selection micro-benchmark.
 bench: build
 	./bench/run.sh
+	./bench/streams.sh
 	$(CARGO) bench --bench selection
 
 fmt:
