@@ -50,6 +50,9 @@ pub struct BaseConfig {
     pub text: String,
 }
 
+/// Bound on re-evaluations when other requests win races for the same permits.
+const MAX_SELECT_ROUNDS: usize = 4;
+
 /// One immutable generation of config and rules, plus the routing state that belongs to it.
 pub struct Snapshot {
     pub config: Config,
@@ -61,6 +64,8 @@ pub struct Snapshot {
     models: HashMap<String, usize>,
     clients: HashMap<String, usize>,
     routing: Vec<Mutex<ModelRouting>>,
+    /// Credential fingerprint per [provider][connection].
+    fingerprints: Vec<Vec<Option<String>>>,
 }
 
 impl Snapshot {
@@ -93,6 +98,16 @@ impl Snapshot {
             .iter()
             .map(|m| Mutex::new(ModelRouting::new(m.targets.len())))
             .collect();
+        let fingerprints = config
+            .providers
+            .iter()
+            .map(|p| {
+                p.connections
+                    .iter()
+                    .map(|c| c.key.as_ref().map(|k| fingerprint(k.expose())))
+                    .collect()
+            })
+            .collect();
         Self {
             config,
             rules,
@@ -102,7 +117,27 @@ impl Snapshot {
             models,
             clients,
             routing,
+            fingerprints,
         }
+    }
+
+    /// The credential fingerprint of a connection in this snapshot.
+    pub fn fingerprint(&self, provider: usize, connection: usize) -> Option<&str> {
+        self.fingerprints.get(provider)?.get(connection)?.as_deref()
+    }
+
+    /// The credential fingerprint of a connection, by ids.
+    pub fn fingerprint_of(&self, provider: &str, connection: &str) -> Option<&str> {
+        let pi = self
+            .config
+            .providers
+            .iter()
+            .position(|p| p.id == provider)?;
+        let ci = self.config.providers[pi]
+            .connections
+            .iter()
+            .position(|c| c.id == connection)?;
+        self.fingerprint(pi, ci)
     }
 
     pub fn model_index(&self, name: &str) -> Option<usize> {
@@ -243,14 +278,12 @@ impl Engine {
         pin: Option<&str>,
     ) -> Selection {
         let now = self.now();
-        let mut tried = asker.tried.clone();
-        loop {
-            let a = Asker {
-                client: asker.client,
-                lease: asker.lease,
-                tried: &tried,
-            };
-            let eval = select::evaluate(self, snap, model, family, &a, now);
+        // Races with other requests (a permit or the probe taken between evaluate and
+        // now) re-run the evaluation, which then sees the new state: a full connection
+        // becomes `concurrency_full` (queue), a taken probe `circuit_open`.
+        let mut last = Selection::Empty(Vec::new());
+        for _ in 0..MAX_SELECT_ROUNDS {
+            let eval = select::evaluate(self, snap, model, family, asker, now);
             let pinned = pin.and_then(|key| {
                 eval.runnable.iter().copied().find(|c| {
                     let p = &snap.config.providers[c.provider];
@@ -268,7 +301,12 @@ impl Engine {
                 };
             };
             let Some(permit) = self.permits.try_acquire(&select::limits(snap, model, &c)) else {
-                tried.connections.push((c.provider, c.connection));
+                let mut full = eval.full;
+                full.push(c);
+                last = Selection::Full {
+                    full,
+                    excluded: eval.excluded,
+                };
                 continue;
             };
             match self.breaker_permit(snap, c.provider, now) {
@@ -286,10 +324,26 @@ impl Engine {
                         permit,
                     }
                 }
-                // Another request took the HALF_OPEN probe between evaluate and now.
-                Permit::Deny { .. } => tried.providers.push(c.provider),
+                Permit::Deny { .. } => last = Selection::Empty(eval.excluded),
             }
         }
+        last
+    }
+
+    /// Is `c` still a candidate (runnable or merely at capacity) for this asker now?
+    pub fn still_runnable(
+        &self,
+        snap: &Snapshot,
+        model: usize,
+        family: Family,
+        asker: &Asker<'_>,
+        c: &Candidate,
+    ) -> bool {
+        let eval = select::evaluate(self, snap, model, family, asker, self.now());
+        eval.runnable
+            .iter()
+            .chain(eval.full.iter())
+            .any(|x| x.target == c.target && x.connection == c.connection)
     }
 
     /// Takes the breaker's permit for one attempt on `provider`.
@@ -438,5 +492,82 @@ pub fn client_allows(client: Option<&Client>, provider: &str, connection: &str) 
             id.split_once('/')
                 .is_some_and(|(p, c)| p == provider && c == connection)
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::config::parse_str;
+    use std::path::Path;
+
+    fn engine(yaml: &str) -> Arc<Engine> {
+        let loaded = parse_str(yaml, "t.yaml", Path::new("."), &|_| None).unwrap();
+        let snap = Snapshot::new(loaded.config, Arc::new(RuleSet::empty()), 1);
+        Engine::new(
+            snap,
+            Metrics::new().unwrap(),
+            None,
+            Arc::new(ManualClock::new(1_700_000_000_000)),
+            None,
+        )
+    }
+
+    const CAP_ONE: &str = "providers:\n  - id: p\n    base_url: \"http://127.0.0.1:9\"\n    api: openai\n    class: local\n    connections:\n      - { id: c, max_concurrent: 1 }\nmodels:\n  - name: m\n    targets: [ { provider: p, model: u } ]\n";
+
+    #[test]
+    fn a_lost_permit_race_queues_instead_of_failing() {
+        let e = engine(CAP_ONE);
+        let snap = e.snapshot();
+        let tried = Tried::default();
+        let asker = Asker {
+            client: None,
+            lease: None,
+            tried: &tried,
+        };
+        for _ in 0..500 {
+            let (a, b) = std::thread::scope(|s| {
+                let a = s.spawn(|| e.select(&snap, 0, Family::OpenAi, &asker, None));
+                let b = s.spawn(|| e.select(&snap, 0, Family::OpenAi, &asker, None));
+                (a.join().unwrap(), b.join().unwrap())
+            });
+            let picked = [&a, &b]
+                .iter()
+                .filter(|s| matches!(s, Selection::Picked { .. }))
+                .count();
+            let full = [&a, &b]
+                .iter()
+                .filter(|s| matches!(s, Selection::Full { .. }))
+                .count();
+            // One gets the only permit, the other must be told to queue, never "nothing runs".
+            assert_eq!((picked, full), (1, 1));
+        }
+    }
+
+    #[test]
+    fn a_held_permit_makes_the_next_selection_queue() {
+        let e = engine(CAP_ONE);
+        let snap = e.snapshot();
+        let tried = Tried::default();
+        let asker = Asker {
+            client: None,
+            lease: None,
+            tried: &tried,
+        };
+        let first = e.select(&snap, 0, Family::OpenAi, &asker, None);
+        assert!(matches!(first, Selection::Picked { .. }));
+        match e.select(&snap, 0, Family::OpenAi, &asker, None) {
+            Selection::Full { full, excluded } => {
+                assert_eq!(full.len(), 1);
+                assert_eq!(excluded[0].reason, select::ExclusionReason::ConcurrencyFull);
+            }
+            _ => panic!("expected Full"),
+        }
+        drop(first);
+        assert!(matches!(
+            e.select(&snap, 0, Family::OpenAi, &asker, None),
+            Selection::Picked { .. }
+        ));
     }
 }

@@ -4,19 +4,14 @@
 //! A permit is an RAII guard: it is returned exactly once, when the attempt that holds
 //! it is dropped, whatever happened to the request. Waiting requests are counted per
 //! connection (`queue_depth`) so admission can reject at `queue.max_depth` before
-//! waiting at all. A reload that changes a cap swaps in a new semaphore; permits of the
-//! old one drain into it harmlessly.
+//! waiting at all. A reload that changes a cap starts a semaphore for the new cap;
+//! requests still on the old config finish on the old one.
 
 use super::state::lock;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-
-struct Slot {
-    limit: u32,
-    sem: Arc<Semaphore>,
-}
 
 /// One connection's counters: attempts in flight and requests waiting for a permit.
 #[derive(Default)]
@@ -27,7 +22,7 @@ pub struct Counters {
 
 #[derive(Default)]
 pub struct Permits {
-    slots: Mutex<HashMap<String, Slot>>,
+    slots: Mutex<HashMap<String, Arc<Semaphore>>>,
     counters: Mutex<HashMap<String, Arc<Counters>>>,
 }
 
@@ -64,22 +59,14 @@ pub struct Limits {
 }
 
 impl Permits {
+    /// The semaphore of `key` at cap `limit`. Keyed by both, so requests pinned to an
+    /// older config (another cap) keep using their own semaphore instead of resetting
+    /// the current one; during a reload the two caps may briefly add up.
     fn semaphore(&self, key: &str, limit: u32) -> Arc<Semaphore> {
-        let mut slots = lock(&self.slots);
-        match slots.get(key) {
-            Some(s) if s.limit == limit => s.sem.clone(),
-            _ => {
-                let sem = Arc::new(Semaphore::new(limit as usize));
-                slots.insert(
-                    key.to_string(),
-                    Slot {
-                        limit,
-                        sem: sem.clone(),
-                    },
-                );
-                sem
-            }
-        }
+        lock(&self.slots)
+            .entry(format!("{key}@{limit}"))
+            .or_insert_with(|| Arc::new(Semaphore::new(limit as usize)))
+            .clone()
     }
 
     pub fn counters(&self, conn_key: &str) -> Arc<Counters> {

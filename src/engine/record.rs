@@ -18,6 +18,7 @@ use crate::store::{Change, Table};
 use std::time::Duration;
 
 /// One attempt, as the record side needs it.
+#[derive(Clone, Copy)]
 pub struct AttemptInfo<'a> {
     pub snap: &'a Snapshot,
     pub model: usize,
@@ -158,6 +159,15 @@ impl Engine {
         let cfg = &a.snap.config;
         let p = &cfg.providers[a.pick.provider];
         let conn = &p.connections[a.pick.connection];
+        // An attempt made with a credential that a reload has since replaced says
+        // nothing about the new one (it must not re-mark a rotated key terminal).
+        let used = a
+            .snap
+            .fingerprint(a.pick.provider, a.pick.connection)
+            .map(str::to_string);
+        if self.snapshot().fingerprint_of(&p.id, &conn.id) != used.as_deref() {
+            return;
+        }
         let ccfg = self.cooldown_config(a.snap, a.pick);
         let key = conn_key(&p.id, &conn.id);
         let entry = self.tables.connection(&p.id, &conn.id);
@@ -222,7 +232,7 @@ impl Engine {
             )),
             Outcome::Transport { .. } | Outcome::Abandoned => None,
         };
-        e.credential = conn.key.as_ref().map(|k| super::fingerprint(k.expose()));
+        e.credential = used;
         if let Some(eff) = &effect {
             rec.cooled_until = eff.cooled_until;
             if let Some(t) = eff.became_terminal {
@@ -286,9 +296,11 @@ impl Engine {
                 ..
             } => {
                 let lcfg = LockoutConfig::from_config(&cfg.resilience.model_lockout);
+                // A concurrency limit is a 1 s connection matter (SPEC §5.3), never a lock.
                 if !lcfg.error_codes.contains(status)
                     || class.terminal.is_some()
                     || class.scope == Scope::Request
+                    || class.reason == Reason::ConcurrencyLimited
                 {
                     return;
                 }

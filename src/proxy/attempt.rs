@@ -121,14 +121,17 @@ pub(super) async fn attempt(
     if left(now).is_zero() {
         return Attempt::Deadline;
     }
-    let addr = match r
+    let lookup = r
         .engine
         .resolver
-        .resolve(&provider.base_url.host, provider.base_url.port, now)
-        .await
-    {
-        Ok(a) => a,
-        Err(_) => return Attempt::Transport(TransportKind::Connect, "dns lookup failed"),
+        .resolve(&provider.base_url.host, provider.base_url.port, now);
+    let addr = match race(session, &mut watching, left(now), lookup).await {
+        Wait::Ready(Ok(a)) => a,
+        Wait::Ready(Err(_)) => {
+            return Attempt::Transport(TransportKind::Connect, "dns lookup failed")
+        }
+        Wait::TimedOut => return Attempt::Deadline,
+        Wait::ClientGone => return Attempt::ClientGone,
     };
     let peer = build_peer(r, pick, addr);
     let mut up = match race(
@@ -288,8 +291,14 @@ pub(super) async fn attempt(
         }
         StreamEnd::Aborted(reason) => {
             if reason == "stall" || reason == "throughput" {
+                // The probe's verdict was given at the commit point; a later stall must
+                // not free a probe slot another request may hold by now.
+                let after_commit = AttemptInfo {
+                    probe: false,
+                    ..*info
+                };
                 r.engine.record(
-                    info,
+                    &after_commit,
                     Outcome::Stall {
                         message: if reason == "stall" {
                             "stream stalled after commit"

@@ -76,6 +76,10 @@ impl AttemptRecord {
     }
 }
 
+/// Times a request may go back to selection because the connection it waited for
+/// stopped being runnable during the wait.
+const MAX_REQUEUES: usize = 3;
+
 /// Runs attempts until one commits, a non-retryable answer arrives, or none are left;
 /// always leaves a complete response on `session`.
 pub async fn run(
@@ -95,6 +99,7 @@ pub async fn run(
     let (mut waits, mut waited) = (0u32, Duration::ZERO);
     let mut deadline: Option<Instant> = None;
     let mut attempt_no = 0usize;
+    let mut requeued = 0usize;
     while attempt_no < max {
         let pin = r.pin_key.as_deref().and_then(|k| r.engine.pinned(k));
         let asker = Asker {
@@ -119,6 +124,18 @@ pub async fn run(
             Selection::Full { full, .. } => {
                 match waits::wait_for_permit(session, r, &full, &mut watching).await {
                     QueueOutcome::Got(c, permit) | QueueOutcome::FailOpen(c, permit) => {
+                        // The wait may have lasted seconds: the connection may have
+                        // started cooling, gone terminal or been leased meanwhile.
+                        if !r
+                            .engine
+                            .still_runnable(r.snap, r.model, r.family, &asker, &c)
+                        {
+                            requeued += 1;
+                            if requeued > MAX_REQUEUES {
+                                return waits::queue_rejected(session, r, ctx, false).await;
+                            }
+                            continue;
+                        }
                         match r.engine.breaker_permit(r.snap, c.provider, r.engine.now()) {
                             Permit::Allow => (c.into(), false, permit),
                             Permit::Probe => (c.into(), true, permit),
@@ -161,9 +178,9 @@ pub async fn run(
                         }
                         waits += 1;
                         waited += d;
-                        // What held these back was a timer that has now run out.
+                        // What held these back was a timer that has now run out (a
+                        // target that answered "not found" stays excluded).
                         tried.connections.clear();
-                        tried.targets.clear();
                         continue;
                     }
                     Decision::Decline {
