@@ -66,6 +66,11 @@ pub struct Snapshot {
     routing: Vec<Mutex<ModelRouting>>,
     /// Credential fingerprint per [provider][connection].
     fingerprints: Vec<Vec<Option<String>>>,
+    /// `provider/connection` per [provider][connection], built once per generation so
+    /// the select phase does not format keys per candidate.
+    conn_keys: Vec<Vec<String>>,
+    /// Names a lockout may be recorded under, per [model][target].
+    lock_names: Vec<Vec<Vec<String>>>,
 }
 
 impl Snapshot {
@@ -108,6 +113,25 @@ impl Snapshot {
                     .collect()
             })
             .collect();
+        let conn_keys = config
+            .providers
+            .iter()
+            .map(|p| {
+                p.connections
+                    .iter()
+                    .map(|c| state::conn_key(&p.id, &c.id))
+                    .collect()
+            })
+            .collect();
+        let lock_names = config
+            .models
+            .iter()
+            .map(|m| {
+                (0..m.targets.len())
+                    .map(|t| select::lock_names_of(&config, m, t))
+                    .collect()
+            })
+            .collect();
         Self {
             config,
             rules,
@@ -118,7 +142,19 @@ impl Snapshot {
             clients,
             routing,
             fingerprints,
+            conn_keys,
+            lock_names,
         }
+    }
+
+    /// `provider/connection` of a connection in this snapshot.
+    pub fn conn_key(&self, provider: usize, connection: usize) -> &str {
+        &self.conn_keys[provider][connection]
+    }
+
+    /// Model names a lockout of this target may be recorded under.
+    pub fn lock_names(&self, model: usize, target: usize) -> &[String] {
+        &self.lock_names[model][target]
     }
 
     /// The credential fingerprint of a connection in this snapshot.
@@ -285,10 +321,10 @@ impl Engine {
         for _ in 0..MAX_SELECT_ROUNDS {
             let eval = select::evaluate(self, snap, model, family, asker, now);
             let pinned = pin.and_then(|key| {
-                eval.runnable.iter().copied().find(|c| {
-                    let p = &snap.config.providers[c.provider];
-                    state::conn_key(&p.id, &p.connections[c.connection].id) == key
-                })
+                eval.runnable
+                    .iter()
+                    .copied()
+                    .find(|c| snap.conn_key(c.provider, c.connection) == key)
             });
             let Some(c) = pinned.or_else(|| select::pick(self, snap, model, &eval.runnable, now))
             else {

@@ -6,13 +6,13 @@
 //! changes are handed to the batched store writer. Changes that create a terminal state
 //! come back in `Recorded::urgent` so the caller commits them before answering.
 
-use super::select::{breaker_config, lock_names};
+use super::select::breaker_config;
 use super::state::{change, conn_key, lock, ConnEntry};
 use super::{Engine, Pick, Snapshot};
 use crate::policy::breaker::Transition;
 use crate::policy::classify::counts_for_breaker;
 use crate::policy::cooldown::{base_for, CooldownConfig, Effect, Failure};
-use crate::policy::lockout::{lock_key, LockoutConfig};
+use crate::policy::lockout::{lock_key_with_scope, LockoutConfig};
 use crate::policy::{Classification, Millis, Reason, Scope};
 use crate::store::{Change, Table};
 use std::time::Duration;
@@ -283,8 +283,8 @@ impl Engine {
         let t = &cfg.models[a.model].targets[a.pick.target];
         match outcome {
             Outcome::Success => {
-                for name in lock_names(a.snap, a.pick.target, a.model) {
-                    if let Some(c) = self.tables.decay_lockout(&p.id, &conn.id, &name) {
+                for name in a.snap.lock_names(a.model, a.pick.target) {
+                    if let Some(c) = self.tables.decay_lockout(&p.id, &conn.id, name) {
                         changes.push(c);
                     }
                 }
@@ -305,11 +305,8 @@ impl Engine {
                     return;
                 }
                 let family = t.quota_family.as_deref().or(p.quota_family.as_deref());
-                let (_, model_key) = if class.rule.is_some() && class.scope == Scope::Model {
-                    (crate::policy::lockout::LockKind::Exact, t.model.clone())
-                } else {
-                    lock_key(*status, &t.model, family)
-                };
+                let rule_scope = class.rule.is_some().then_some(class.scope);
+                let (_, model_key) = lock_key_with_scope(*status, &t.model, family, rule_scope);
                 let hint = hint.map(|h| h.min(cfg.resilience.max_hint));
                 let (until, c) = self.tables.with_lockout(&p.id, &conn.id, &model_key, |e| {
                     e.lock

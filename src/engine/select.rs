@@ -11,9 +11,9 @@
 //! breaker is asked for a real permit, so a HALF_OPEN provider hands out one probe.
 
 use super::permits::Limits;
-use super::state::{conn_key, lock};
+use super::state::lock;
 use super::{Engine, Snapshot, Tried};
-use crate::config::{Client, Family};
+use crate::config::{Client, Config, Family, Model};
 use crate::policy::breaker::{BreakerConfig, BreakerState, Permit};
 use crate::policy::cooldown::Eligibility;
 use crate::policy::{retry_after_secs, Millis, Reason};
@@ -125,10 +125,9 @@ pub fn breaker_config(snap: &Snapshot, provider: usize) -> BreakerConfig {
 }
 
 /// Model names a lockout may be recorded under for a target: the exact model, its bare
-/// name and its quota family.
-pub fn lock_names(snap: &Snapshot, target: usize, model: usize) -> Vec<String> {
-    let c = &snap.config;
-    let t = &c.models[model].targets[target];
+/// name and its quota family (computed once per snapshot: `Snapshot::lock_names`).
+pub fn lock_names_of(c: &Config, m: &Model, target: usize) -> Vec<String> {
+    let t = &m.targets[target];
     let mut names = vec![t.model.clone()];
     let bare = crate::policy::lockout::bare_model(&t.model);
     if bare != t.model {
@@ -150,14 +149,14 @@ pub fn limits(snap: &Snapshot, model: usize, c: &Candidate) -> Limits {
     let p = &cfg.providers[c.provider];
     let conn = &p.connections[c.connection];
     let upstream = &cfg.models[model].targets[c.target].model;
-    let key = conn_key(&p.id, &conn.id);
+    let key = snap.conn_key(c.provider, c.connection);
     Limits {
         model: conn
             .model_concurrency
             .get(upstream)
             .map(|n| (format!("{key}/{upstream}"), *n)),
         conn_limit: conn.max_concurrent,
-        conn_key: key,
+        conn_key: key.to_string(),
     }
 }
 
@@ -196,15 +195,14 @@ pub fn evaluate(
             None => (Permit::Allow, BreakerState::Closed, None),
         };
         let window_until = window_until.filter(|_| cfg.resilience.provider_cooldown_enabled);
-        let names = lock_names(snap, ti, model);
-        let name_refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        let names = snap.lock_names(model, ti);
         for (ci, c) in p.connections.iter().enumerate() {
             if t.connection.is_some_and(|pin| pin != ci)
                 || !super::client_allows(asker.client, &p.id, &c.id)
             {
                 continue;
             }
-            let key = conn_key(&p.id, &c.id);
+            let key = snap.conn_key(t.provider, ci);
             if asker.lease.is_some_and(|(_, leased)| leased != key) {
                 continue;
             }
@@ -223,7 +221,7 @@ pub fn evaluate(
                     .push(excluded(ExclusionReason::AlreadyTried, None, None, None));
                 continue;
             }
-            if let Some(e) = tables.connection_if_any(&p.id, &c.id) {
+            if let Some(e) = tables.connection_by_key(key) {
                 let e = lock(&e);
                 match e.state.eligibility(now) {
                     Eligibility::Eligible => {}
@@ -266,8 +264,7 @@ pub fn evaluate(
                 continue;
             }
             if cfg.resilience.model_lockout.enabled {
-                if let Some((until, reason)) = tables.active_lockout(&p.id, &c.id, &name_refs, now)
-                {
+                if let Some((until, reason)) = tables.active_lockout(&p.id, &c.id, names, now) {
                     out.excluded.push(excluded(
                         ExclusionReason::ModelLockout,
                         Some(until),
@@ -282,7 +279,7 @@ pub fn evaluate(
                     .push(excluded(ExclusionReason::AlreadyTried, None, None, None));
                 continue;
             }
-            if let Some(until) = leases.held_by_other(&key, asker.lease.map(|(h, _)| h), now) {
+            if let Some(until) = leases.held_by_other(key, asker.lease.map(|(h, _)| h), now) {
                 out.excluded.push(excluded(
                     ExclusionReason::LeaseHeld,
                     Some(until),
@@ -325,14 +322,14 @@ pub fn views(
             let t = &cfg.models[model].targets[c.target];
             let p = &cfg.providers[c.provider];
             let conn = &p.connections[c.connection];
-            let key = conn_key(&p.id, &conn.id);
-            let s = signals.get(&key);
+            let key = snap.conn_key(c.provider, c.connection);
+            let s = signals.get(key);
             View {
                 target: c.target,
                 connection: c.connection,
                 weight: t.weight,
                 cost: t.cost,
-                inflight: engine.permits.inflight(&key),
+                inflight: engine.permits.inflight(key),
                 cap: conn.max_concurrent,
                 latency_ms: s.and_then(|s| s.latency.mean(now)),
                 remaining: s

@@ -13,7 +13,7 @@ use crate::config::Client;
 use crate::policy::affinity::Pin;
 use crate::policy::breaker::Permit;
 use crate::policy::cooldown::Eligibility;
-use crate::policy::lease::{owner_hash, Lease, LeaseError};
+use crate::policy::lease::{Lease, LeaseError};
 use crate::policy::Millis;
 use crate::routing::parse_rate_limit;
 use crate::store::{Change, Image, Table};
@@ -256,10 +256,5 @@ impl Engine {
     /// Runtime overrides persisted in the store.
     pub fn overrides_from(image: &Image) -> std::collections::BTreeMap<String, serde_json::Value> {
         image.get(&Table::Overrides).cloned().unwrap_or_default()
-    }
-
-    /// A lease owner's hash, for the selection fence.
-    pub fn owner_hash(token: &str) -> String {
-        owner_hash(token)
     }
 }

@@ -122,6 +122,15 @@ impl Tables {
         get_or_insert(&self.connections, &conn_key(provider, connection))
     }
 
+    /// The connection entry of a `provider/connection` key, if one exists.
+    pub fn connection_by_key(&self, key: &str) -> Option<Shared<ConnEntry>> {
+        self.connections
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(key)
+            .cloned()
+    }
+
     /// The connection entry if one exists (read paths that must not create entries).
     pub fn connection_if_any(&self, provider: &str, connection: &str) -> Option<Shared<ConnEntry>> {
         self.connections
@@ -166,7 +175,7 @@ impl Tables {
         &self,
         provider: &str,
         connection: &str,
-        models: &[&str],
+        models: &[String],
         now: Millis,
     ) -> Option<(Millis, Option<Reason>)> {
         let map = lock(&self.lockouts);
