@@ -11,50 +11,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DUR=${BENCH_DURATION:-10s}
 CONNS=${BENCH_CONNS:-"1 32 128"}
-BIN=${BENCH_BIN:-target/release}
 command -v wrk >/dev/null || { echo "bench: wrk is required (apt-get install wrk)" >&2; exit 2; }
-[ -x "$BIN/sluice" ] && [ -x "$BIN/sluice-mock" ] || { echo "bench: build first (make build)" >&2; exit 2; }
-
-WORK=$(mktemp -d /tmp/sluice-bench.XXXXXX)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
-trap cleanup EXIT INT TERM
-
-# wait_listen FILE NAME -> prints the address from "LISTENING NAME addr"
-wait_listen() {
-  for _ in $(seq 1 300); do
-    local a; a=$(awk -v n="$2" '$1=="LISTENING" && $2==n {print $3}' "$1" 2>/dev/null | head -1)
-    [ -n "$a" ] && { echo "$a"; return 0; }
-    sleep 0.1
-  done
-  echo "bench: $2 did not start" >&2; cat "${1%.out}.log" >&2 2>/dev/null; exit 1
-}
-
-"$BIN/sluice-mock" --listen 127.0.0.1:0 --threads 2 --chunks 8 --chunk-interval 0ms >"$WORK/mock.out" 2>&1 &
-PIDS+=($!)
-MOCK=$(wait_listen "$WORK/mock.out" mock)
-
-cat >"$WORK/sluice.yaml" <<YAML
-server: { listen: "127.0.0.1:0", admin_listen: "127.0.0.1:0", threads: 2 }
-admin: { token_env: SLUICE_ADMIN_TOKEN }
-state: { path: "$WORK/state.redb" }
-rules_dir: "$WORK/rules"
-providers:
-  - id: mock
-    base_url: "http://$MOCK"
-    api: openai
-    class: local
-    connections:
-      - { id: key-1, api_key_env: BENCH_KEY }
-models:
-  - name: bench
-    targets:
-      - { provider: mock, model: mock-model }
-YAML
-SLUICE_ADMIN_TOKEN=bench BENCH_KEY=bench-key SLUICE_LOG=${SLUICE_LOG:-info} \
-  "$BIN/sluice" run --config "$WORK/sluice.yaml" >"$WORK/sluice.out" 2>"$WORK/sluice.log" &
-PIDS+=($!)
-SLUICE=$(wait_listen "$WORK/sluice.out" client)
+. bench/lib.sh
+start_mock --chunks 8 --chunk-interval 0ms
+start_sluice
 
 NGINX=""
 if command -v nginx >/dev/null; then
@@ -133,5 +93,5 @@ for stream in 0 1; do
   done
 done
 echo
-echo "Sluice RSS after the run: $(ps -o rss= -p "${PIDS[1]}" | awk '{printf "%.1f MB", $1/1024}')" | tee -a "$REPORT"
+echo "Sluice RSS after the run: $(ps -o rss= -p "$SLUICE_PID" | awk '{printf "%.1f MB", $1/1024}')" | tee -a "$REPORT"
 echo "report: $REPORT"

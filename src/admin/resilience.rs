@@ -5,15 +5,11 @@
 use crate::engine::state::{change, conn_key, lock};
 use crate::engine::Engine;
 use crate::policy::cooldown::{Cleared, Eligibility};
-use crate::policy::{retry_after_secs, Millis};
+use crate::policy::retry_after_secs;
+use crate::policy::timefmt::format_rfc3339;
 use crate::store::{Change, Table};
 use serde::Deserialize;
 use serde_json::{json, Value};
-use std::time::{Duration, UNIX_EPOCH};
-
-fn rfc3339(ms: Millis) -> String {
-    humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
-}
 
 async fn persist(engine: &Engine, changes: Vec<Change>) {
     if changes.is_empty() {
@@ -240,7 +236,7 @@ pub fn model_cooldowns(engine: &Engine) -> Value {
                 "reason": e.lock.reason.map(|r| r.as_str()),
                 "status": e.lock.status,
                 "failures": e.lock.failures,
-                "expires_at": rfc3339(e.lock.until),
+                "expires_at": format_rfc3339(e.lock.until),
                 "active": active,
                 "remaining_s": if active { retry_after_secs(e.lock.until, now) } else { 0 },
             })

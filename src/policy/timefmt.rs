@@ -22,6 +22,13 @@ const MONTH_NAMES: [&str; 12] = [
 /// `hh:mm:ss`, an optional fraction of at least one digit (truncated to milliseconds),
 /// then `Z`, `z` or `±hh:mm`. A zone is required. A leap second (`:60`) is read as `:59`;
 /// instants before 1970 are `None`.
+/// Unix milliseconds as an RFC 3339 UTC timestamp with whole seconds
+/// (`2026-11-29T15:00:00Z`), the form every `reset_at` / `expires_at` field uses.
+pub fn format_rfc3339(ms: Millis) -> String {
+    let at = std::time::UNIX_EPOCH + Duration::from_millis(ms);
+    humantime::format_rfc3339_seconds(at).to_string()
+}
+
 pub fn rfc3339_ms(s: &str) -> Option<Millis> {
     let [y0, y1, y2, y3, b'-', mo0, mo1, b'-', d0, d1, sep, h0, h1, b':', mi0, mi1, b':', s0, s1, rest @ ..] =
         s.as_bytes()

@@ -12,10 +12,11 @@ use crate::engine::{Engine, Snapshot};
 use crate::error::ClientError;
 use crate::policy::lease::{Lease, LeaseError};
 use crate::policy::retry_after_secs;
+use crate::policy::timefmt::format_rfc3339;
 use pingora::proxy::Session;
 use serde::Deserialize;
 use serde_json::json;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -25,15 +26,11 @@ struct LeaseRequest {
     owner: Option<String>,
 }
 
-fn rfc3339(ms: u64) -> String {
-    humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
-}
-
 fn lease_json(l: &Lease, owner: Option<&str>) -> serde_json::Value {
     let mut v = json!({
         "generation": l.generation,
         "connection": l.connection,
-        "expires_at": rfc3339(l.expires_at),
+        "expires_at": format_rfc3339(l.expires_at),
     });
     if let Some(o) = owner {
         v["owner"] = json!(o);

@@ -12,11 +12,12 @@ use crate::engine::select::{self, Candidate, Exclusion, ExclusionReason};
 use crate::engine::Engine;
 use crate::error::ClientError;
 use crate::policy::combo::{self, Blocker, Decision, Hold};
+use crate::policy::timefmt::format_rfc3339;
 use crate::policy::{retry_after_secs, Millis};
 use futures::future::select_all;
 use pingora::proxy::Session;
 use serde_json::json;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
 pub enum QueueOutcome {
     Got(Candidate, PermitGuard),
@@ -151,10 +152,6 @@ pub async fn combo_sleep(session: &mut Session, watching: &mut bool, d: Duration
     )
 }
 
-fn rfc3339(ms: Millis) -> String {
-    humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
-}
-
 /// 429 `lease_capacity_unavailable` when eligible connections exist but every free one
 /// is leased by someone else.
 pub fn lease_contention(excluded: &[Exclusion], now: Millis) -> Option<ClientError> {
@@ -204,7 +201,7 @@ pub async fn nothing_runnable(
             format!("every target of model {model:?} is rate-limited; retry in {secs}s"),
         )
         .with_extra("retry_after_s", json!(secs))
-        .with_extra("reset_at", json!(rfc3339(until)))
+        .with_extra("reset_at", json!(format_rfc3339(until)))
         .with_extra("diagnostics", json!({ "excluded": list }));
         e.retry_after = Some(secs);
         e

@@ -1,0 +1,54 @@
+# Shared by the bench scripts (sourced, not run): a private work dir cleaned up on exit,
+# the mock and the gateway started on OS-chosen ports, and their addresses read from
+# their `LISTENING <name> <addr>` lines.
+
+BIN=${BENCH_BIN:-target/release}
+[ -x "$BIN/sluice" ] && [ -x "$BIN/sluice-mock" ] || { echo "bench: build first (make build)" >&2; exit 2; }
+WORK=$(mktemp -d /tmp/sluice-bench.XXXXXX)
+PIDS=()
+bench_cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
+trap bench_cleanup EXIT INT TERM
+
+# wait_listen FILE NAME -> prints the address from "LISTENING NAME addr"
+wait_listen() {
+  for _ in $(seq 1 300); do
+    local a; a=$(awk -v n="$2" '$1=="LISTENING" && $2==n {print $3}' "$1" 2>/dev/null | head -1)
+    [ -n "$a" ] && { echo "$a"; return 0; }
+    sleep 0.1
+  done
+  echo "bench: $2 did not start" >&2; cat "${1%.out}.log" >&2 2>/dev/null; exit 1
+}
+
+# start_mock ARGS... -> sets MOCK (address) and MOCK_PID
+start_mock() {
+  "$BIN/sluice-mock" --listen 127.0.0.1:0 --threads 2 "$@" >"$WORK/mock.out" 2>&1 &
+  MOCK_PID=$!
+  PIDS+=("$MOCK_PID")
+  MOCK=$(wait_listen "$WORK/mock.out" mock)
+}
+
+# start_sluice -> one model `bench` on the mock; sets SLUICE (client address) and SLUICE_PID
+start_sluice() {
+  cat >"$WORK/sluice.yaml" <<YAML
+server: { listen: "127.0.0.1:0", admin_listen: "127.0.0.1:0", threads: 2 }
+admin: { token_env: SLUICE_ADMIN_TOKEN }
+state: { path: "$WORK/state.redb" }
+rules_dir: "$WORK/rules"
+providers:
+  - id: mock
+    base_url: "http://$MOCK"
+    api: openai
+    class: local
+    connections:
+      - { id: key-1, api_key_env: BENCH_KEY }
+models:
+  - name: bench
+    targets:
+      - { provider: mock, model: mock-model }
+YAML
+  SLUICE_ADMIN_TOKEN=bench BENCH_KEY=bench-key SLUICE_LOG=${SLUICE_LOG:-info} \
+    "$BIN/sluice" run --config "$WORK/sluice.yaml" >"$WORK/sluice.out" 2>"$WORK/sluice.log" &
+  SLUICE_PID=$!
+  PIDS+=("$SLUICE_PID")
+  SLUICE=$(wait_listen "$WORK/sluice.out" client)
+}
