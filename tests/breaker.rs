@@ -88,22 +88,7 @@ fn breaker_opens_probes_once_and_recovers() {
     // when several requests arrive while the (slow, failing) probe is in flight.
     assert!(wait_until(Duration::from_secs(3), || state_of(&gw, "a") == "HALF_OPEN"));
     a.set_fault("status=503;latency=800ms");
-    let handles: Vec<_> = (0..5)
-        .map(|_| {
-            let client = gw.client;
-            std::thread::spawn(move || {
-                common::request(
-                    client,
-                    "POST",
-                    "/v1/chat/completions",
-                    &[],
-                    br#"{"model":"m"}"#,
-                )
-            })
-        })
-        .collect();
-    for h in handles {
-        let r = h.join().unwrap();
+    for (r, _) in gw.parallel_chat(5, r#"{"model":"m"}"#) {
         assert_eq!(r.status, 200);
         assert_eq!(r.header("x-sluice-provider"), Some("b"));
     }

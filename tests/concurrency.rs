@@ -6,7 +6,7 @@ mod common;
 
 use common::gw::{server_section, Gateway};
 use common::Mock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 fn config(mock: &str, queue: &str) -> String {
     format!(
@@ -27,24 +27,13 @@ resilience:
 }
 
 fn parallel(gw: &Gateway, n: usize) -> Vec<(u16, Duration, String)> {
-    let handles: Vec<_> = (0..n)
-        .map(|_| {
-            let client = gw.client;
-            std::thread::spawn(move || {
-                let t = Instant::now();
-                let r = common::request(
-                    client,
-                    "POST",
-                    "/v1/chat/completions",
-                    &[],
-                    br#"{"model":"m"}"#,
-                );
-                let code = r.json()["error"]["code"].as_str().unwrap_or("").to_string();
-                (r.status, t.elapsed(), code)
-            })
+    gw.parallel_chat(n, r#"{"model":"m"}"#)
+        .into_iter()
+        .map(|(r, t)| {
+            let code = r.json()["error"]["code"].as_str().unwrap_or("").to_string();
+            (r.status, t, code)
         })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+        .collect()
 }
 
 #[test]

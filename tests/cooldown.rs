@@ -99,22 +99,11 @@ fn concurrent_429s_raise_the_backoff_level_once() {
         ),
         KEYS,
     );
-    let handles: Vec<_> = (0..20)
-        .map(|_| {
-            let client = gw.client;
-            std::thread::spawn(move || {
-                common::request(
-                    client,
-                    "POST",
-                    "/v1/chat/completions",
-                    &[],
-                    br#"{"model":"m"}"#,
-                )
-                .status
-            })
-        })
+    let statuses: Vec<u16> = gw
+        .parallel_chat(20, r#"{"model":"m"}"#)
+        .into_iter()
+        .map(|(r, _)| r.status)
         .collect();
-    let statuses: Vec<u16> = handles.into_iter().map(|h| h.join().unwrap()).collect();
     assert!(statuses.iter().all(|s| *s == 429), "{statuses:?}");
     assert_eq!(calls(&mock, "key-1"), 20);
     let row = conn_row(&gw, "k1");

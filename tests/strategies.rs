@@ -101,15 +101,10 @@ fn fill_first_spills_when_the_first_connection_is_full() {
         ),
         ENV,
     );
-    let handles: Vec<_> = (0..5)
-        .map(|_| {
-            let c = gw.client;
-            std::thread::spawn(move || {
-                common::request(c, "POST", "/v1/chat/completions", &[], br#"{"model":"m"}"#).status
-            })
-        })
-        .collect();
-    assert!(handles.into_iter().all(|h| h.join().unwrap() == 200));
+    assert!(gw
+        .parallel_chat(5, r#"{"model":"m"}"#)
+        .iter()
+        .all(|(r, _)| r.status == 200));
     let by = mock.stats()["by_credential"].clone();
     assert_eq!(by["t0"], 2, "{by}");
     assert_eq!(by["t1"], 2, "{by}");

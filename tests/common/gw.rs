@@ -121,6 +121,29 @@ impl Gateway {
         self.admin("DELETE", path, body)
     }
 
+    /// Sends `n` copies of a chat request at once (one thread each) and returns each
+    /// response with how long it took, in the order they were started.
+    pub fn parallel_chat(
+        &self,
+        n: usize,
+        body: &'static str,
+    ) -> Vec<(Response, std::time::Duration)> {
+        let handles: Vec<_> = (0..n)
+            .map(|_| {
+                let client = self.client;
+                std::thread::spawn(move || {
+                    let t = std::time::Instant::now();
+                    let r = request(client, "POST", "/v1/chat/completions", &[], body.as_bytes());
+                    (r, t.elapsed())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("request thread"))
+            .collect()
+    }
+
     /// POSTs `body` to `/v1/chat/completions`.
     pub fn chat(&self, body: &str) -> Response {
         request(
