@@ -1,15 +1,16 @@
 //! Boundary error types. Policies answer "no" with decision data, not with these.
 //!
 //! `ClientError` is the one shape every locally generated client-facing error takes
-//! before `proxy::respond` renders it in the route's API family (SPEC §4).
+//! before `proxy::respond` renders it in the route's API family (SPEC §4); its status
+//! comes from its [`ErrorCode`], never from the call site.
 
+use crate::codes::ErrorCode;
 use thiserror::Error;
 
 /// An error Sluice itself answers to a client (not an upstream error passed through).
 #[derive(Debug, Clone)]
 pub struct ClientError {
-    pub status: u16,
-    pub code: &'static str,
+    pub code: ErrorCode,
     pub message: String,
     /// Whole seconds, ≥ 1, sent as `Retry-After` and required on synthesised 429/503.
     pub retry_after: Option<u64>,
@@ -18,14 +19,22 @@ pub struct ClientError {
 }
 
 impl ClientError {
-    pub fn new(status: u16, code: &'static str, message: impl Into<String>) -> Self {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
         Self {
-            status,
             code,
             message: message.into(),
             retry_after: None,
             extra: None,
         }
+    }
+
+    pub fn status(&self) -> u16 {
+        self.code.status()
+    }
+
+    pub fn with_retry_after(mut self, secs: u64) -> Self {
+        self.retry_after = Some(secs.max(1));
+        self
     }
 
     pub fn with_extra(mut self, key: &str, value: serde_json::Value) -> Self {
@@ -36,7 +45,7 @@ impl ClientError {
     }
 
     pub fn invalid_request(message: impl Into<String>) -> Self {
-        Self::new(400, "invalid_request", message)
+        Self::new(ErrorCode::InvalidRequest, message)
     }
 }
 

@@ -4,6 +4,7 @@
 pub mod admin;
 pub mod cli;
 pub mod clock;
+pub mod codes;
 pub mod config;
 pub mod engine;
 pub mod error;

@@ -6,6 +6,7 @@
 //! logged.
 
 use super::body::ParsedBody;
+use crate::codes::ErrorCode;
 use crate::config::{Client, Family};
 use crate::engine::{Engine, Snapshot};
 use crate::error::ClientError;
@@ -47,8 +48,7 @@ pub fn client<'s>(
     match presented_key(session).and_then(|k| snap.client_by_key(&k)) {
         Some(c) => Ok(Some(c)),
         None => Err(ClientError::new(
-            401,
-            "unauthorized",
+            ErrorCode::Unauthorized,
             "missing or unknown client key",
         )),
     }
@@ -59,8 +59,7 @@ pub fn client<'s>(
 pub async fn read_body(session: &mut Session, limit: usize) -> Result<Bytes, ClientError> {
     let too_large = || {
         ClientError::new(
-            413,
-            "body_too_large",
+            ErrorCode::BodyTooLarge,
             format!("request body exceeds max_body_bytes ({limit} bytes)"),
         )
     };
@@ -121,8 +120,7 @@ pub async fn admit(
         .filter(|m| snap.serves_family(*m, family))
         .ok_or_else(|| {
             ClientError::new(
-                404,
-                "model_not_found",
+                ErrorCode::ModelNotFound,
                 format!(
                     "model {:?} is not configured for {} requests",
                     body.model,
@@ -157,8 +155,7 @@ fn lease_fence(
     };
     let Some(client) = client else {
         return Err(ClientError::new(
-            403,
-            "forbidden",
+            ErrorCode::Forbidden,
             "lease headers need a client key with the lease:exclusive scope",
         ));
     };
@@ -170,18 +167,15 @@ fn lease_fence(
     match engine.lease_check(&client.id, owner.trim(), generation) {
         Ok(l) => Ok(Some(l)),
         Err(LeaseError::StaleGeneration { current }) => Err(ClientError::new(
-            409,
-            "lease_generation_stale",
+            ErrorCode::LeaseGenerationStale,
             format!("lease generation {generation} is stale; the current generation is {current}"),
         )),
         Err(LeaseError::WrongClient) => Err(ClientError::new(
-            403,
-            "forbidden",
+            ErrorCode::Forbidden,
             "this lease belongs to another client key",
         )),
         Err(_) => Err(ClientError::new(
-            409,
-            "lease_generation_stale",
+            ErrorCode::LeaseGenerationStale,
             "the lease has expired or was released",
         )),
     }

@@ -19,6 +19,7 @@ use super::respond;
 use super::upstream;
 use super::waits::{self, QueueOutcome};
 use super::RequestCtx;
+use crate::codes::ErrorCode;
 use crate::config::{Client, Family};
 use crate::engine::judge::Verdict;
 use crate::engine::record::{AttemptInfo, Outcome};
@@ -295,8 +296,7 @@ pub async fn run(
     if !ctx.records.is_empty() {
         let attempts: Vec<_> = ctx.records.iter().map(AttemptRecord::json).collect();
         let e = ClientError::new(
-            502,
-            "upstream_unavailable",
+            ErrorCode::UpstreamUnavailable,
             "every upstream attempt failed on transport errors",
         )
         .with_extra("diagnostics", json!({ "attempts": attempts }));
@@ -372,8 +372,8 @@ pub(super) async fn finish_error(
     e: ClientError,
     ctx: &mut RequestCtx,
 ) -> pingora::Result<()> {
-    ctx.status = e.status;
-    ctx.note = Some(e.code);
+    ctx.status = e.status();
+    ctx.note = Some(e.code.as_str());
     respond::write_error(session, family, &e, sluice_headers(ctx)).await
 }
 
@@ -384,8 +384,7 @@ async fn deadline_error(
 ) -> pingora::Result<()> {
     let attempts: Vec<_> = ctx.records.iter().map(AttemptRecord::json).collect();
     let e = ClientError::new(
-        504,
-        "RATE_LIMIT_EXECUTION_TIMEOUT",
+        ErrorCode::ExecutionTimeout,
         "the execution deadline passed before the upstream answered",
     )
     .with_extra("diagnostics", json!({ "attempts": attempts }));

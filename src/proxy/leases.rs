@@ -6,6 +6,7 @@
 
 use super::admit::read_body;
 use super::{respond, RequestCtx};
+use crate::codes::ErrorCode;
 use crate::config::{Client, Family};
 use crate::engine::sessions::LeaseRefusal;
 use crate::engine::{Engine, Snapshot};
@@ -42,28 +43,26 @@ fn lease_error(e: LeaseError, now: u64) -> ClientError {
     match e {
         LeaseError::CapacityUnavailable { retry_at } => {
             let mut c = ClientError::new(
-                429,
-                "lease_capacity_unavailable",
+                ErrorCode::LeaseCapacityUnavailable,
                 "every eligible allowed connection is held by another lease",
             );
             c.retry_after = Some(retry_after_secs(retry_at, now));
             c
         }
         LeaseError::UnknownOwner => {
-            ClientError::new(404, "lease_not_found", "no active lease for this owner")
+            ClientError::new(ErrorCode::LeaseNotFound, "no active lease for this owner")
         }
-        LeaseError::WrongClient => {
-            ClientError::new(403, "forbidden", "this lease belongs to another client key")
-        }
+        LeaseError::WrongClient => ClientError::new(
+            ErrorCode::Forbidden,
+            "this lease belongs to another client key",
+        ),
         LeaseError::StaleGeneration { current } => ClientError::new(
-            409,
-            "lease_generation_stale",
+            ErrorCode::LeaseGenerationStale,
             format!("current generation is {current}"),
         ),
         LeaseError::InvalidTtl(m) => ClientError::invalid_request(m),
         LeaseError::NoneEligible => ClientError::new(
-            404,
-            "no_executable_targets",
+            ErrorCode::NoExecutableTargets,
             "none of this key's allowed connections can run",
         ),
     }
@@ -87,8 +86,8 @@ async fn answer(
             .await?;
         }
         Err(e) => {
-            ctx.status = e.status;
-            ctx.note = Some(e.code);
+            ctx.status = e.status();
+            ctx.note = Some(e.code.as_str());
             respond::write_error(session, Family::OpenAi, &e, Vec::new()).await?;
         }
     }
@@ -121,8 +120,7 @@ async fn run(
         })
         .ok_or_else(|| {
             ClientError::new(
-                403,
-                "forbidden",
+                ErrorCode::Forbidden,
                 "this client key lacks the lease:exclusive scope or an allowed_connections list",
             )
         })?;
@@ -145,8 +143,7 @@ async fn run(
             Err(LeaseRefusal::Lease(e)) => Err(lease_error(e, now)),
             Err(LeaseRefusal::NoneEligible { retry_at: Some(t) }) => {
                 let mut e = ClientError::new(
-                    503,
-                    "all_targets_cooling_down",
+                    ErrorCode::AllTargetsCoolingDown,
                     "every allowed connection is cooling down",
                 );
                 e.retry_after = Some(retry_after_secs(t, now));

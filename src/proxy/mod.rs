@@ -18,6 +18,7 @@ pub mod sse;
 pub mod upstream;
 pub mod waits;
 
+use crate::codes::ErrorCode;
 use crate::config::Family;
 use crate::engine::Engine;
 use crate::error::ClientError;
@@ -63,8 +64,8 @@ impl Gateway {
         family: Family,
         e: ClientError,
     ) -> pingora::Result<bool> {
-        ctx.status = e.status;
-        ctx.note = Some(e.code);
+        ctx.status = e.status();
+        ctx.note = Some(e.code.as_str());
         respond::write_error(session, family, &e, Vec::new()).await?;
         Ok(true)
     }
@@ -114,8 +115,7 @@ impl ProxyHttp for Gateway {
         };
         let Some(route) = Route::from_request(&method, &path) else {
             let e = ClientError::new(
-                404,
-                "route_not_found",
+                ErrorCode::RouteNotFound,
                 format!("no route for {method} {path}"),
             );
             return self.reject(session, ctx, Family::OpenAi, e).await;
@@ -138,7 +138,7 @@ impl ProxyHttp for Gateway {
         let a = match admit::admit(&self.engine, &snap, session, family, client).await {
             Ok(a) => a,
             Err(e) => {
-                if e.status == 413 {
+                if e.code == ErrorCode::BodyTooLarge {
                     // The rest of an oversized body is not read: do not reuse the connection.
                     session.downstream_session.set_keepalive(None);
                 }

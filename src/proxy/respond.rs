@@ -8,41 +8,16 @@ use pingora::http::ResponseHeader;
 use pingora::proxy::Session;
 use serde_json::{json, Map, Value};
 
-fn openai_type(status: u16) -> &'static str {
-    match status {
-        401 => "authentication_error",
-        403 => "permission_error",
-        404 => "not_found_error",
-        429 => "rate_limit_error",
-        500..=599 => "server_error",
-        _ => "invalid_request_error",
-    }
-}
-
-fn anthropic_type(status: u16) -> &'static str {
-    match status {
-        401 => "authentication_error",
-        403 => "permission_error",
-        404 => "not_found_error",
-        413 => "request_too_large",
-        429 => "rate_limit_error",
-        503 => "overloaded_error",
-        504 => "timeout_error",
-        500..=599 => "api_error",
-        _ => "invalid_request_error",
-    }
-}
-
 /// The JSON body of `err` in `family`'s error shape.
 pub fn error_body(family: Family, err: &ClientError) -> Vec<u8> {
     let mut inner = Map::new();
     let ty = match family {
-        Family::OpenAi => openai_type(err.status),
-        Family::Anthropic => anthropic_type(err.status),
+        Family::OpenAi => err.code.openai_type(),
+        Family::Anthropic => err.code.anthropic_type(),
     };
     inner.insert("type".into(), Value::from(ty));
     inner.insert("message".into(), Value::from(err.message.clone()));
-    inner.insert("code".into(), Value::from(err.code));
+    inner.insert("code".into(), Value::from(err.code.as_str()));
     if family == Family::OpenAi {
         inner.insert("param".into(), Value::Null);
     }
@@ -92,7 +67,7 @@ pub async fn write_error(
     let body = error_body(family, err);
     write_local(
         session,
-        err.status,
+        err.status(),
         "application/json",
         &extra_headers,
         body,
@@ -118,10 +93,11 @@ pub fn sse_error_event(family: Family, code: &str, message: &str) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codes::ErrorCode;
 
     #[test]
     fn both_shapes() {
-        let e = ClientError::new(404, "model_not_found", "no model x")
+        let e = ClientError::new(ErrorCode::ModelNotFound, "no model x")
             .with_extra("diagnostics", json!({"excluded": []}));
         let o: Value = serde_json::from_slice(&error_body(Family::OpenAi, &e)).unwrap();
         assert_eq!(o["error"]["code"], "model_not_found");

@@ -7,6 +7,7 @@
 use super::attempt::{race, Wait};
 use super::dispatch::{finish_error, Request};
 use super::RequestCtx;
+use crate::codes::ErrorCode;
 use crate::engine::permits::PermitGuard;
 use crate::engine::select::{self, Candidate, Exclusion, ExclusionReason};
 use crate::engine::Engine;
@@ -82,17 +83,15 @@ pub async fn queue_rejected(
     ctx: &mut RequestCtx,
     full: bool,
 ) -> pingora::Result<()> {
-    let (status, code, reason, msg) = if full {
+    let (code, reason, msg) = if full {
         (
-            429,
-            "RATE_LIMIT_QUEUE_FULL",
+            ErrorCode::QueueFull,
             "queue_full",
             "too many requests are already waiting for this model's connections",
         )
     } else {
         (
-            503,
-            "RATE_LIMIT_QUEUE_TIMEOUT",
+            ErrorCode::QueueTimeout,
             "queue_timeout",
             "no concurrency permit became free within queue.wait",
         )
@@ -102,7 +101,7 @@ pub async fn queue_rejected(
         .queue_rejections_total
         .with_label_values(&[reason])
         .inc();
-    let mut e = ClientError::new(status, code, msg);
+    let mut e = ClientError::new(code, msg);
     e.retry_after = Some(1);
     finish_error(session, r.family, e, ctx).await
 }
@@ -161,8 +160,7 @@ pub fn lease_contention(excluded: &[Exclusion], now: Millis) -> Option<ClientErr
         .filter_map(|e| e.until)
         .min()?;
     let mut e = ClientError::new(
-        429,
-        "lease_capacity_unavailable",
+        ErrorCode::LeaseCapacityUnavailable,
         "every eligible connection is held by another session's exclusive lease",
     );
     e.retry_after = Some(retry_after_secs(until, now));
@@ -196,8 +194,7 @@ pub async fn nothing_runnable(
     let err = if let Some(until) = rate_limited_until {
         let secs = retry_after_secs(until, now);
         let mut e = ClientError::new(
-            429,
-            "rate_limit_error",
+            ErrorCode::RateLimited,
             format!("every target of model {model:?} is rate-limited; retry in {secs}s"),
         )
         .with_extra("retry_after_s", json!(secs))
@@ -207,8 +204,7 @@ pub async fn nothing_runnable(
         e
     } else if let Some(secs) = Engine::soonest(excluded, now) {
         let mut e = ClientError::new(
-            503,
-            "all_targets_cooling_down",
+            ErrorCode::AllTargetsCoolingDown,
             format!("every target of model {model:?} is cooling down; retry in {secs}s"),
         )
         .with_extra("diagnostics", json!({ "excluded": list }));
@@ -216,8 +212,7 @@ pub async fn nothing_runnable(
         e
     } else {
         ClientError::new(
-            404,
-            "no_executable_targets",
+            ErrorCode::NoExecutableTargets,
             format!("model {model:?} has no target that can run"),
         )
         .with_extra("diagnostics", json!({ "excluded": list }))
