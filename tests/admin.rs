@@ -4,7 +4,8 @@
 mod common;
 
 use common::gw::{server_section, Gateway, ADMIN_TOKEN};
-use common::{request, Mock};
+use common::{request, wait_until, Mock};
+use std::time::Duration;
 
 fn config(mock: &str) -> String {
     format!(
@@ -62,8 +63,8 @@ fn health_ready_and_metrics() {
     assert_eq!(by["admin-test-secret-1"], 2, "{by}");
     assert_eq!(by["admin-test-secret-2"], 2, "{by}");
 
-    let m = request(gw.admin, "GET", "/metrics", &[], b"").text();
-    for needle in [
+    // Counters of the finish phase are written just after the response: poll.
+    let needles = [
         "sluice_requests_total{model=\"m\",route=\"chat_completions\",status=\"200\"} 4",
         "sluice_requests_total{model=\"unknown\",route=\"chat_completions\",status=\"404\"} 1",
         "sluice_attempts_total{connection=\"c1\",outcome=\"ok\",provider=\"p\"} 2",
@@ -71,8 +72,17 @@ fn health_ready_and_metrics() {
         "sluice_ttfb_seconds_count{model=\"m\"} 4",
         "sluice_inflight{connection=\"c1\",provider=\"p\"} 0",
         "sluice_config_reloads_total{result=\"ok\"} 1",
-    ] {
-        assert!(m.contains(needle), "missing {needle:?} in metrics:\n{m}");
+    ];
+    let mut m = String::new();
+    let all_there = wait_until(Duration::from_secs(5), || {
+        m = request(gw.admin, "GET", "/metrics", &[], b"").text();
+        needles.iter().all(|n| m.contains(n))
+    });
+    for needle in needles {
+        assert!(
+            all_there && m.contains(needle),
+            "missing {needle:?} in metrics:\n{m}"
+        );
     }
     assert!(!m.contains("zzz"), "client input became a label");
 }

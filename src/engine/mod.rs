@@ -13,6 +13,7 @@ pub mod record;
 pub mod reload;
 pub mod select;
 pub mod sessions;
+pub mod settle;
 pub mod state;
 
 use crate::clock::Clock;
@@ -23,7 +24,7 @@ use crate::policy::affinity::PinTable;
 use crate::policy::breaker::Permit;
 use crate::policy::cooldown::Eligibility;
 use crate::policy::lease::LeaseTable;
-use crate::policy::{retry_after_secs, Millis};
+use crate::policy::Millis;
 use crate::proxy::resolve::Resolver;
 use crate::routing::ModelRouting;
 use crate::routing::{LatencyWindow, RateLimitInfo};
@@ -196,24 +197,7 @@ impl Snapshot {
     }
 }
 
-/// What one request has already tried, so later attempts go elsewhere.
-#[derive(Debug, Default, Clone)]
-pub struct Tried {
-    /// (provider, connection) pairs that failed at connection scope.
-    pub connections: Vec<(usize, usize)>,
-    /// Providers that failed at provider scope (transport, 408, 5xx).
-    pub providers: Vec<usize>,
-    /// Targets that failed at model scope (e.g. 404).
-    pub targets: Vec<usize>,
-}
-
-/// The chosen target and connection of one attempt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Pick {
-    pub target: usize,
-    pub provider: usize,
-    pub connection: usize,
-}
+pub use crate::policy::failover::{Pick, Tried};
 
 /// The outcome of the select phase.
 pub enum Selection {
@@ -497,16 +481,6 @@ impl Engine {
             .set(lock(&self.pins).active_count(now) as i64);
         m.leases_active
             .set(lock(&self.leases).active_count(now) as i64);
-    }
-
-    /// `Retry-After` seconds for the soonest-lifting timer exclusion.
-    pub fn soonest(excluded: &[Exclusion], now: Millis) -> Option<u64> {
-        excluded
-            .iter()
-            .filter(|e| e.reason.is_timer())
-            .filter_map(|e| e.until)
-            .min()
-            .map(|u| retry_after_secs(u, now))
     }
 }
 

@@ -27,6 +27,10 @@ pub struct AttemptInfo<'a> {
     pub started: Millis,
     /// Whether the attempt held the HALF_OPEN probe.
     pub probe: bool,
+    /// No attempt of this request is left after this one (metrics: final vs failover).
+    pub last: bool,
+    /// The session-affinity pin key of the request, refreshed on success.
+    pub pin: Option<&'a str>,
 }
 
 pub enum Outcome<'a> {

@@ -16,76 +16,9 @@ use super::{Engine, Snapshot, Tried};
 use crate::config::{Client, Config, Family, Model};
 use crate::policy::breaker::{BreakerConfig, BreakerState, Permit};
 use crate::policy::cooldown::Eligibility;
-use crate::policy::{retry_after_secs, Millis, Reason};
+pub use crate::policy::exclusion::{Exclusion, ExclusionReason};
+use crate::policy::{Millis, Reason};
 use crate::routing::View;
-use serde_json::{json, Value};
-
-/// Why a candidate could not be used (SPEC §4 `diagnostics.excluded[].reason`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ExclusionReason {
-    CircuitOpen,
-    ProviderCooldown,
-    ConnectionCooldown,
-    Terminal,
-    ModelLockout,
-    LeaseHeld,
-    ConcurrencyFull,
-    AlreadyTried,
-}
-
-impl ExclusionReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ExclusionReason::CircuitOpen => "circuit_open",
-            ExclusionReason::ProviderCooldown => "provider_cooldown",
-            ExclusionReason::ConnectionCooldown => "connection_cooldown",
-            ExclusionReason::Terminal => "terminal",
-            ExclusionReason::ModelLockout => "model_lockout",
-            ExclusionReason::LeaseHeld => "lease_held",
-            ExclusionReason::ConcurrencyFull => "concurrency_full",
-            ExclusionReason::AlreadyTried => "already_tried",
-        }
-    }
-
-    /// Exclusions that lift by themselves when a resilience timer runs out.
-    pub fn is_timer(self) -> bool {
-        matches!(
-            self,
-            ExclusionReason::CircuitOpen
-                | ExclusionReason::ProviderCooldown
-                | ExclusionReason::ConnectionCooldown
-                | ExclusionReason::ModelLockout
-        )
-    }
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct Exclusion {
-    pub provider: String,
-    pub connection: String,
-    pub model: String,
-    pub reason: ExclusionReason,
-    /// When the exclusion lifts by itself (timers and leases).
-    pub until: Option<Millis>,
-    /// Terminal state name, for `terminal` exclusions.
-    pub detail: Option<&'static str>,
-    /// The failure behind a cooldown or lockout (decides whether a combo wait is worth it).
-    pub cause: Option<Reason>,
-}
-
-impl Exclusion {
-    pub fn json(&self, now: Millis) -> Value {
-        json!({
-            "provider": self.provider,
-            "connection": self.connection,
-            "model": self.model,
-            "reason": self.reason.as_str(),
-            "retry_after_s": self.until.map(|u| retry_after_secs(u, now)),
-            "state": self.detail,
-            "cause": self.cause.map(|c| c.as_str()),
-        })
-    }
-}
 
 /// One (target, connection) pair that passed the resilience checks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

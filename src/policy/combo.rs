@@ -2,10 +2,12 @@
 //! by short, transient timers, wait for the soonest one instead of answering 429/503.
 //!
 //! Invariants: never waits on a quota-exhausted, auth, terminal or not-found reason;
-//! never waits on a breaker or provider gate longer than `max_wait`; never exceeds
-//! `max_attempts` waits or the total `budget`; never waits when nothing would lift. A
-//! decline says whether the blockers are rate limits with a known reset, which decides
-//! between 429 `rate_limit_error` and 503 `all_targets_cooling_down`.
+//! never waits on an open breaker or window gate (a failing provider is not a timer a
+//! client should sit out); never waits past `latest_end` (the request's execution
+//! budget, less what its attempt needs); never exceeds `max_wait`, `max_attempts` waits
+//! or the total `budget`; never waits when nothing would lift. A decline says whether
+//! the blockers are rate limits with a known reset, which decides between 429
+//! `rate_limit_error` and 503 `all_targets_cooling_down`.
 
 use super::{Millis, Reason};
 use crate::config::ComboWait;
@@ -18,7 +20,7 @@ pub enum Hold {
     Cooldown,
     /// A model lockout.
     Lockout,
-    /// The provider's breaker (or window gate): only worth waiting when short.
+    /// The provider's breaker (or window gate): never waited on.
     ProviderGate,
     /// Already tried by this request (does not block waiting; stays excluded).
     Tried,
@@ -64,15 +66,16 @@ fn rate_limit(cause: Option<Reason>) -> bool {
 }
 
 /// Decides one wait. `waits` / `waited` are what this request already spent;
-/// `model_opt_in` is the model's `cooldown_wait`.
+/// `model_opt_in` is the model's `cooldown_wait`; a wait must end by `latest_end`.
 pub fn decide(
     cfg: &ComboWait,
     model_opt_in: bool,
     blockers: &[Blocker],
-    waits: u32,
-    waited: Duration,
+    spent: (u32, Duration),
+    latest_end: Millis,
     now: Millis,
 ) -> Decision {
+    let (waits, waited) = spent;
     let timers: Vec<&Blocker> = blockers
         .iter()
         .filter(|b| !matches!(b.hold, Hold::Tried | Hold::Other))
@@ -88,24 +91,23 @@ pub fn decide(
     if !cfg.enabled || !model_opt_in || waits >= cfg.max_attempts || timers.is_empty() {
         return decline;
     }
-    if blockers.iter().any(|b| b.hold == Hold::Other) {
+    if blockers
+        .iter()
+        .any(|b| matches!(b.hold, Hold::Other | Hold::ProviderGate))
+    {
         return decline;
     }
-    let max_wait = cfg.max_wait.as_millis() as u64;
-    for b in &timers {
-        let Some(until) = b.until else { return decline };
-        if never_wait(b.cause) {
-            return decline;
-        }
-        if b.hold == Hold::ProviderGate && until.saturating_sub(now) > max_wait {
-            return decline;
-        }
+    if timers
+        .iter()
+        .any(|b| b.until.is_none() || never_wait(b.cause))
+    {
+        return decline;
     }
     let Some(soonest) = soonest else {
         return decline;
     };
     let wait = Duration::from_millis(soonest.saturating_sub(now));
-    if wait > cfg.max_wait || waited + wait > cfg.budget {
+    if wait > cfg.max_wait || waited + wait > cfg.budget || soonest > latest_end {
         return decline;
     }
     Decision::Wait(wait)
@@ -116,6 +118,8 @@ mod tests {
     use super::*;
 
     const T0: Millis = 1_700_000_000_000;
+    /// A budget that never binds.
+    const LATE: Millis = T0 + 3_600_000;
 
     fn cfg() -> ComboWait {
         ComboWait {
@@ -142,7 +146,7 @@ mod tests {
             b(Hold::Tried, None, None),
         ];
         assert_eq!(
-            decide(&cfg(), true, &bl, 0, Duration::ZERO, T0),
+            decide(&cfg(), true, &bl, (0, Duration::ZERO), LATE, T0),
             Decision::Wait(Duration::from_secs(2))
         );
     }
@@ -158,7 +162,7 @@ mod tests {
             let bl = [b(Hold::Cooldown, Some(cause), Some(2_000))];
             assert!(
                 matches!(
-                    decide(&cfg(), true, &bl, 0, Duration::ZERO, T0),
+                    decide(&cfg(), true, &bl, (0, Duration::ZERO), LATE, T0),
                     Decision::Decline { .. }
                 ),
                 "{cause:?}"
@@ -166,7 +170,7 @@ mod tests {
         }
         let quota = [b(Hold::Cooldown, Some(Reason::QuotaExhausted), Some(2_000))];
         assert_eq!(
-            decide(&cfg(), true, &quota, 0, Duration::ZERO, T0),
+            decide(&cfg(), true, &quota, (0, Duration::ZERO), LATE, T0),
             Decision::Decline {
                 rate_limited_until: Some(T0 + 2_000)
             }
@@ -176,7 +180,7 @@ mod tests {
             b(Hold::Cooldown, Some(Reason::RateLimitExceeded), Some(1_000)),
         ];
         assert!(matches!(
-            decide(&cfg(), true, &terminal, 0, Duration::ZERO, T0),
+            decide(&cfg(), true, &terminal, (0, Duration::ZERO), LATE, T0),
             Decision::Decline { .. }
         ));
     }
@@ -189,7 +193,7 @@ mod tests {
             Some(61_000),
         )];
         assert_eq!(
-            decide(&cfg(), true, &long, 0, Duration::ZERO, T0),
+            decide(&cfg(), true, &long, (0, Duration::ZERO), LATE, T0),
             Decision::Decline {
                 rate_limited_until: Some(T0 + 61_000)
             }
@@ -200,15 +204,15 @@ mod tests {
             Some(30_000),
         )];
         assert!(matches!(
-            decide(&cfg(), true, &short, 2, Duration::ZERO, T0),
+            decide(&cfg(), true, &short, (2, Duration::ZERO), LATE, T0),
             Decision::Decline { .. }
         ));
         assert!(matches!(
-            decide(&cfg(), true, &short, 1, Duration::from_secs(70), T0),
+            decide(&cfg(), true, &short, (1, Duration::from_secs(70)), LATE, T0),
             Decision::Decline { .. }
         ));
         assert!(matches!(
-            decide(&cfg(), false, &short, 0, Duration::ZERO, T0),
+            decide(&cfg(), false, &short, (0, Duration::ZERO), LATE, T0),
             Decision::Decline { .. }
         ));
         let off = ComboWait {
@@ -216,39 +220,62 @@ mod tests {
             ..cfg()
         };
         assert!(matches!(
-            decide(&off, true, &short, 0, Duration::ZERO, T0),
+            decide(&off, true, &short, (0, Duration::ZERO), LATE, T0),
             Decision::Decline { .. }
         ));
     }
 
     #[test]
-    fn breaker_only_when_short_and_not_a_rate_limit_answer() {
-        let open = [b(
-            Hold::ProviderGate,
-            Some(Reason::ServerError),
-            Some(10_000),
-        )];
-        assert_eq!(
-            decide(&cfg(), true, &open, 0, Duration::ZERO, T0),
-            Decision::Wait(Duration::from_secs(10))
-        );
-        let long = [b(
-            Hold::ProviderGate,
-            Some(Reason::ServerError),
-            Some(120_000),
-        )];
-        assert_eq!(
-            decide(&cfg(), true, &long, 0, Duration::ZERO, T0),
-            Decision::Decline {
-                rate_limited_until: None
-            }
-        );
+    fn never_waits_on_an_open_breaker_or_window_gate() {
+        for gate_in in [2_000, 10_000, 120_000] {
+            let open = [b(
+                Hold::ProviderGate,
+                Some(Reason::ServerError),
+                Some(gate_in),
+            )];
+            assert_eq!(
+                decide(&cfg(), true, &open, (0, Duration::ZERO), LATE, T0),
+                Decision::Decline {
+                    rate_limited_until: None
+                },
+                "gate lifting in {gate_in} ms"
+            );
+        }
+        // A short rate limit does not make a failing provider worth sitting out.
+        let mixed = [
+            b(Hold::ProviderGate, Some(Reason::ServerError), Some(5_000)),
+            b(Hold::Cooldown, Some(Reason::RateLimitExceeded), Some(1_000)),
+        ];
+        assert!(matches!(
+            decide(&cfg(), true, &mixed, (0, Duration::ZERO), LATE, T0),
+            Decision::Decline { .. }
+        ));
         let nothing = [b(Hold::Tried, None, None)];
         assert_eq!(
-            decide(&cfg(), true, &nothing, 0, Duration::ZERO, T0),
+            decide(&cfg(), true, &nothing, (0, Duration::ZERO), LATE, T0),
             Decision::Decline {
                 rate_limited_until: None
             }
+        );
+    }
+
+    #[test]
+    fn never_waits_for_a_timer_ending_past_the_budget() {
+        let rl = [b(
+            Hold::Cooldown,
+            Some(Reason::RateLimitExceeded),
+            Some(30_000),
+        )];
+        // The budget ends before the timer: decline at once, still a rate-limit answer.
+        assert_eq!(
+            decide(&cfg(), true, &rl, (0, Duration::ZERO), T0 + 29_999, T0),
+            Decision::Decline {
+                rate_limited_until: Some(T0 + 30_000)
+            }
+        );
+        assert_eq!(
+            decide(&cfg(), true, &rl, (0, Duration::ZERO), T0 + 30_000, T0),
+            Decision::Wait(Duration::from_secs(30))
         );
     }
 }

@@ -9,6 +9,8 @@
 pub mod breaker;
 pub mod classify;
 pub mod combo;
+pub mod exclusion;
+pub mod failover;
 pub mod window_gate;
 
 pub mod cooldown;

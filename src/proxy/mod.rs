@@ -1,51 +1,42 @@
 //! Pingora glue for the client listener: the `ProxyHttp` implementation.
 //!
 //! `request_filter` is the admit phase (auth, size, JSON, model) and then hands the
-//! request to `dispatch`, which runs the attempts and always writes a complete response,
-//! so `upstream_peer` is never reached. `logging` is the finish phase: it runs exactly
-//! once per request and records metrics and the access log line. Hooks stay thin; the
-//! decisions live in `engine`, `routing` and `dispatch`.
+//! request to `pipeline`, which runs the attempts and writes a complete response — or
+//! asks for the client connection to be cut when a committed body failed, which
+//! `fail_to_proxy` then does without writing a byte — so `upstream_peer` is never
+//! reached. `logging` is the finish phase: it runs exactly once per request and records
+//! metrics and the access log line. Hooks stay thin; the decisions live in
+//! `policy::failover`, `engine` and `routing`.
 
 pub mod admit;
 pub mod attempt;
 pub mod body;
-pub mod dispatch;
+pub mod ctx;
+pub mod framing;
 pub mod leases;
+pub mod pipeline;
+pub mod queue;
 pub mod resolve;
 pub mod respond;
 pub mod routes;
 pub mod sse;
+pub mod stream;
 pub mod upstream;
-pub mod waits;
+pub mod watch;
 
 use crate::codes::ErrorCode;
 use crate::config::Family;
 use crate::engine::Engine;
 use crate::error::ClientError;
 use async_trait::async_trait;
+use ctx::Request;
+pub use ctx::RequestCtx;
 use pingora::prelude::HttpPeer;
-use pingora::proxy::{ProxyHttp, Session};
+use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use routes::Route;
 use serde_json::json;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
-
-/// Per-request state, created by `new_ctx` and finished by `logging`.
-pub struct RequestCtx {
-    pub started: Instant,
-    pub route: Option<Route>,
-    /// Configured model name, or `unknown` (bounded label).
-    pub model_label: String,
-    pub client_id: Option<String>,
-    pub status: u16,
-    pub attempts: u32,
-    /// (provider, connection, upstream model) of the last attempt.
-    pub pick: Option<(String, String, String)>,
-    pub ttfb: Option<Duration>,
-    pub records: Vec<dispatch::AttemptRecord>,
-    /// Error code or abort reason worth logging.
-    pub note: Option<&'static str>,
-}
+use std::time::Instant;
 
 /// The client-facing gateway service.
 pub struct Gateway {
@@ -90,18 +81,7 @@ impl ProxyHttp for Gateway {
     type CTX = RequestCtx;
 
     fn new_ctx(&self) -> RequestCtx {
-        RequestCtx {
-            started: Instant::now(),
-            route: None,
-            model_label: "unknown".into(),
-            client_id: None,
-            status: 0,
-            attempts: 0,
-            pick: None,
-            ttfb: None,
-            records: Vec::new(),
-            note: None,
-        }
+        RequestCtx::new(Instant::now())
     }
 
     async fn request_filter(
@@ -149,20 +129,19 @@ impl ProxyHttp for Gateway {
 
         // select → connect → response → stream, per attempt
         let header = session.req_header().clone();
-        let request = dispatch::Request {
+        let request = Request {
             engine: &self.engine,
             snap: &snap,
             model: a.model,
+            route,
             family,
             client,
             body: &a.body,
             header: &header,
-            deadline: Instant::now() + snap.config.resilience.queue.execution_timeout,
             lease: a.lease,
             pin_key: a.pin_key,
-            is_fallback: false,
         };
-        dispatch::run(session, &request, ctx).await?;
+        pipeline::run(session, request, ctx).await?;
         Ok(true)
     }
 
@@ -176,6 +155,42 @@ impl ProxyHttp for Gateway {
             pingora::ErrorType::InternalError,
             "sluice dispatches in request_filter",
         )
+    }
+
+    /// A response already (partly) written is never followed by an error page: a cut
+    /// connection is dropped as it is, without a terminating chunk (SPEC §2 stream).
+    async fn fail_to_proxy(
+        &self,
+        session: &mut Session,
+        e: &pingora::Error,
+        ctx: &mut RequestCtx,
+    ) -> FailToProxy {
+        if ctx.cut || session.response_written().is_some() {
+            return FailToProxy {
+                error_code: 0,
+                can_reuse_downstream: false,
+            };
+        }
+        let code = match e.etype() {
+            pingora::ErrorType::HTTPStatus(code) => *code,
+            _ if e.esource() == &pingora::ErrorSource::Downstream => 400,
+            _ => 500,
+        };
+        let _ = session.respond_error(code).await;
+        FailToProxy {
+            error_code: code,
+            can_reuse_downstream: false,
+        }
+    }
+
+    /// A deliberate cut is recorded in the access line, not logged as a proxy error.
+    fn suppress_error_log(
+        &self,
+        _session: &Session,
+        ctx: &RequestCtx,
+        _e: &pingora::Error,
+    ) -> bool {
+        ctx.cut
     }
 
     async fn logging(
@@ -206,18 +221,7 @@ impl ProxyHttp for Gateway {
             }
         }
         let (provider, connection, upstream_model) = ctx.pick.clone().unwrap_or_default();
-        let failed: Vec<String> = ctx
-            .records
-            .iter()
-            .map(|a| {
-                format!(
-                    "{}/{}:{}",
-                    a.provider,
-                    a.connection,
-                    a.status.map_or(a.reason.to_string(), |s| s.to_string())
-                )
-            })
-            .collect();
+        let failed: Vec<String> = ctx.records.iter().map(|a| a.summary()).collect();
         tracing::info!(
             target: "sluice::access",
             route,

@@ -1,8 +1,19 @@
-//! Rendering responses Sluice writes itself: errors in each API family's shape (SPEC §4)
-//! and small local JSON answers. The only place a `ClientError` becomes bytes.
+//! Rendering what Sluice writes itself: errors in each API family's shape (SPEC §4),
+//! the failover machine's refusals with their diagnostics, a held upstream error passed
+//! through, the SSE error event that ends a failed stream (SPEC §2), and small local
+//! JSON answers. The only place a `ClientError` becomes bytes.
 
+use super::attempt::HeldError;
+use super::ctx::{Request, RequestCtx};
+use super::routes::Route;
+use super::upstream;
+use crate::codes::{AbortReason, ErrorCode};
 use crate::config::Family;
+use crate::engine::judge::Verdict;
 use crate::error::ClientError;
+use crate::policy::failover::Refusal;
+use crate::policy::retry_after_secs;
+use crate::policy::timefmt::format_rfc3339;
 use bytes::Bytes;
 use pingora::http::ResponseHeader;
 use pingora::proxy::Session;
@@ -75,25 +86,162 @@ pub async fn write_error(
     .await
 }
 
-/// An SSE error event to end a committed stream (SPEC §5.9).
-pub fn sse_error_event(family: Family, code: &str, message: &str) -> Bytes {
-    let text = match family {
-        Family::OpenAi => format!(
-            "data: {}\n\n",
-            json!({"error": {"type": "server_error", "code": code, "message": message}})
+/// The SSE error event that ends a committed stream, in the route family's shape
+/// (SPEC §2): Chat/Completions `data: {"error": …}`, Responses `event: error` with a
+/// `{"type": "error", …}` payload, Messages `event: error` with `{"type": "error",
+/// "error": …}`. It always ends with a blank line (a complete event).
+pub fn sse_error_event(route: Route, reason: AbortReason) -> Bytes {
+    let (code, message) = (reason.as_str(), reason.message());
+    let text = match route {
+        Route::Responses => format!(
+            "event: error\ndata: {}\n\n",
+            json!({"type": "error", "code": code, "message": message, "param": null})
         ),
-        Family::Anthropic => format!(
+        Route::Messages => format!(
             "event: error\ndata: {}\n\n",
             json!({"type": "error", "error": {"type": "api_error", "code": code, "message": message}})
         ),
+        _ => format!(
+            "data: {}\n\n",
+            json!({"error": {"type": "server_error", "code": code, "message": message, "param": null}})
+        ),
     };
     Bytes::from(text)
+}
+
+/// Writes `e` with the `x-sluice-*` headers, and notes it for the access log.
+pub async fn finish_error(
+    session: &mut Session,
+    family: Family,
+    e: ClientError,
+    ctx: &mut RequestCtx,
+) -> pingora::Result<()> {
+    ctx.status = e.status();
+    ctx.note = Some(e.code.as_str());
+    write_error(session, family, &e, ctx.sluice_headers()).await
+}
+
+/// The client-facing error for a refusal of the failover machine.
+pub fn refusal_error(
+    req: &Request<'_>,
+    r: &Refusal,
+    ctx: &RequestCtx,
+    now: crate::policy::Millis,
+) -> ClientError {
+    let model = &req.snap.config.models[req.model].name;
+    let message = match r.code {
+        ErrorCode::RateLimited => format!(
+            "every target of model {model:?} is rate-limited; retry in {}s",
+            r.retry_after.unwrap_or(1)
+        ),
+        ErrorCode::AllTargetsCoolingDown => format!(
+            "every target of model {model:?} is cooling down; retry in {}s",
+            r.retry_after.unwrap_or(1)
+        ),
+        ErrorCode::NoExecutableTargets => {
+            format!("model {model:?} has no target that can run")
+        }
+        ErrorCode::LeaseCapacityUnavailable => {
+            "every eligible connection is held by another session's exclusive lease".into()
+        }
+        ErrorCode::QueueFull => {
+            "too many requests are already waiting for this model's connections".into()
+        }
+        ErrorCode::QueueTimeout => "no concurrency permit became free within the queue wait".into(),
+        ErrorCode::ExecutionTimeout => {
+            "the execution deadline passed before the upstream answered".into()
+        }
+        ErrorCode::UpstreamTimeout => format!(
+            "no upstream sent a first byte within ttft_timeout ({} attempts)",
+            ctx.records.len()
+        ),
+        ErrorCode::UpstreamUnavailable => {
+            "every upstream attempt failed on transport errors".into()
+        }
+        other => other.as_str().replace('_', " "),
+    };
+    let mut e = ClientError::new(r.code, message);
+    if let Some(secs) = r.retry_after {
+        e = e.with_retry_after(secs);
+    }
+    if let Some(reset) = r.reset_at {
+        e = e
+            .with_extra("retry_after_s", json!(retry_after_secs(reset, now)))
+            .with_extra("reset_at", json!(format_rfc3339(reset)));
+    }
+    let mut diagnostics = Map::new();
+    let about_targets = matches!(
+        r.code,
+        ErrorCode::RateLimited | ErrorCode::AllTargetsCoolingDown | ErrorCode::NoExecutableTargets
+    );
+    if about_targets || !r.excluded.is_empty() {
+        let list: Vec<Value> = r.excluded.iter().map(|x| x.json(now)).collect();
+        diagnostics.insert("excluded".into(), Value::Array(list));
+    }
+    if r.with_attempts {
+        diagnostics.insert("attempts".into(), Value::Array(ctx.attempts_json()));
+    }
+    if !diagnostics.is_empty() {
+        e = e.with_extra("diagnostics", Value::Object(diagnostics));
+    }
+    e
+}
+
+/// Passes a held upstream error to the client: its headers and body, the restated
+/// status if a rule applied, and a normalised `Retry-After`.
+pub(super) async fn pass_through(
+    session: &mut Session,
+    err: HeldError,
+    v: &Verdict,
+    ctx: &mut RequestCtx,
+) -> pingora::Result<()> {
+    ctx.status = v.status;
+    let h2 = session.downstream_session.is_http2();
+    let mut h = upstream::response_header(&err.header, h2, &ctx.sluice_headers())?;
+    if v.status != err.header.status.as_u16() {
+        h.set_status(v.status)?;
+    }
+    h.remove_header("transfer-encoding");
+    h.remove_header("content-encoding");
+    h.insert_header("content-length", err.body.len())?;
+    if let Some(secs) = v.retry_after {
+        h.insert_header("retry-after", secs.to_string())?;
+    }
+    session.write_response_header(Box::new(h), false).await?;
+    session.write_response_body(Some(err.body), true).await?;
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::codes::ErrorCode;
+
+    #[test]
+    fn stream_error_events_have_each_family_shape() {
+        let text =
+            |route| String::from_utf8(sse_error_event(route, AbortReason::Stall).to_vec()).unwrap();
+        let data = |t: &str| -> Value {
+            let line = t.lines().find_map(|l| l.strip_prefix("data: ")).unwrap();
+            serde_json::from_str(line).unwrap()
+        };
+        let chat = text(Route::ChatCompletions);
+        assert!(chat.starts_with("data: ") && chat.ends_with("\n\n"));
+        assert_eq!(data(&chat)["error"]["code"], "stall");
+        let responses = text(Route::Responses);
+        assert!(responses.starts_with("event: error\n") && responses.ends_with("\n\n"));
+        let r = data(&responses);
+        assert_eq!(
+            (r["type"].as_str(), r["code"].as_str()),
+            (Some("error"), Some("stall"))
+        );
+        let messages = text(Route::Messages);
+        assert!(messages.starts_with("event: error\n"));
+        let m = data(&messages);
+        assert_eq!(m["type"], "error");
+        assert_eq!(m["error"]["type"], "api_error");
+        assert_eq!(m["error"]["code"], "stall");
+    }
 
     #[test]
     fn both_shapes() {

@@ -2,8 +2,9 @@
 //!
 //! Upstream chunk boundaries are not event boundaries, so this keeps a little state
 //! across chunks: whether the event being assembled carries data, and whether it is a
-//! heartbeat (`event: ping`). Comments (`:` lines) and pings never count as progress;
-//! any other event with a `data:` line does (reasoning/thinking deltas included). Only
+//! heartbeat (`event: ping`). Comments (`:` lines), pings and events whose `data:` is
+//! empty never count as progress; any other event with data does (reasoning/thinking
+//! deltas included). Only
 //! the start of an unfinished line is kept (bounded), never the stream itself.
 //!
 //! `SseAssembler` goes one step further for the throughput watchdog: it rebuilds whole
@@ -45,8 +46,9 @@ impl SseProgress {
                 }
                 self.has_data = false;
                 self.is_ping = false;
-            } else if complete.starts_with(b"data:") {
-                self.has_data = true;
+            } else if let Some(value) = complete.strip_prefix(b"data:") {
+                // An empty `data:` line is a keep-alive, not content.
+                self.has_data |= !value.trim_ascii().is_empty();
             } else if complete.starts_with(b"event:") {
                 let name = complete[6..].trim_ascii();
                 self.is_ping = name == b"ping";
@@ -320,6 +322,9 @@ mod tests {
         assert!(!p.feed(b"event: ping\ndata: {\"type\":\"ping\"}\n\n"));
         assert!(p.feed(b"data: {\"choices\":[]}\n\n"));
         assert!(p.feed(b"event: content_block_delta\r\ndata: {}\r\n\r\n"));
+        assert!(!p.feed(b"data: \n\n"));
+        assert!(!p.feed(b"data:\r\n\r\n"));
+        assert!(p.feed(b"data:\ndata: x\n\n"));
     }
 
     #[test]

@@ -9,6 +9,7 @@
 
 pub mod client;
 pub mod gw;
+pub mod raw;
 
 #[allow(unused_imports)]
 pub use client::{

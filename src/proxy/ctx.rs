@@ -1,0 +1,117 @@
+//! Per-request types shared by the request path's phases: what a request carries from
+//! admission into dispatch (`Request`), what the finish phase logs (`RequestCtx`), and
+//! the record of each failed attempt (`AttemptRecord`, SPEC §4 `diagnostics.attempts`).
+//!
+//! Plain data with no behaviour beyond formatting, so every phase module can depend on
+//! it without depending on each other.
+
+use super::body::ParsedBody;
+use super::routes::Route;
+use crate::config::{Client, Family};
+use crate::engine::{Engine, Snapshot};
+use crate::policy::lease::Lease;
+use pingora::http::RequestHeader;
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+/// Everything one request's dispatch needs, pinned at admission.
+#[derive(Clone)]
+pub struct Request<'a> {
+    pub engine: &'a Engine,
+    pub snap: &'a Snapshot,
+    pub model: usize,
+    pub route: Route,
+    pub family: Family,
+    pub client: Option<&'a Client>,
+    pub body: &'a ParsedBody,
+    pub header: &'a RequestHeader,
+    /// The exclusive lease the request presented (already checked by the fence).
+    pub lease: Option<Lease>,
+    /// Session affinity pin key, when the request carries a session header.
+    pub pin_key: Option<String>,
+}
+
+/// Per-request state, created by `new_ctx` and finished by `logging`.
+pub struct RequestCtx {
+    pub started: Instant,
+    pub route: Option<Route>,
+    /// Configured model name, or `unknown` (bounded label).
+    pub model_label: String,
+    pub client_id: Option<String>,
+    pub status: u16,
+    pub attempts: u32,
+    /// (provider, connection, upstream model) of the last attempt.
+    pub pick: Option<(String, String, String)>,
+    pub ttfb: Option<Duration>,
+    pub records: Vec<AttemptRecord>,
+    /// Error code or abort reason worth logging.
+    pub note: Option<&'static str>,
+    /// The client connection is being cut on purpose (a body that failed after the
+    /// commit point must not be framed as complete): nothing more may be written.
+    pub cut: bool,
+}
+
+impl RequestCtx {
+    pub fn new(started: Instant) -> Self {
+        RequestCtx {
+            started,
+            route: None,
+            model_label: "unknown".into(),
+            client_id: None,
+            status: 0,
+            attempts: 0,
+            pick: None,
+            ttfb: None,
+            records: Vec::new(),
+            note: None,
+            cut: false,
+        }
+    }
+
+    /// `x-sluice-*` headers of the response (SPEC §2).
+    pub fn sluice_headers(&self) -> Vec<(&'static str, String)> {
+        let mut h = Vec::with_capacity(4);
+        if let Some((p, c, m)) = &self.pick {
+            h.push(("x-sluice-provider", p.clone()));
+            h.push(("x-sluice-connection", c.clone()));
+            h.push(("x-sluice-model", m.clone()));
+        }
+        h.push(("x-sluice-attempts", self.attempts.to_string()));
+        h
+    }
+
+    /// `diagnostics.attempts[]`.
+    pub fn attempts_json(&self) -> Vec<Value> {
+        self.records.iter().map(AttemptRecord::json).collect()
+    }
+}
+
+/// One failed attempt, for diagnostics and logs.
+#[derive(Debug, Clone)]
+pub struct AttemptRecord {
+    pub provider: String,
+    pub connection: String,
+    pub model: String,
+    pub status: Option<u16>,
+    pub reason: &'static str,
+}
+
+impl AttemptRecord {
+    pub fn json(&self) -> Value {
+        json!({
+            "provider": self.provider,
+            "connection": self.connection,
+            "model": self.model,
+            "status": self.status,
+            "reason": self.reason,
+        })
+    }
+
+    /// `provider/connection:status-or-reason`, for the access log.
+    pub fn summary(&self) -> String {
+        match self.status {
+            Some(s) => format!("{}/{}:{s}", self.provider, self.connection),
+            None => format!("{}/{}:{}", self.provider, self.connection, self.reason),
+        }
+    }
+}

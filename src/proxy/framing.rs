@@ -1,0 +1,131 @@
+//! Where a forwarded SSE byte stream stands relative to event boundaries, so that an
+//! error event appended after a failure starts on a boundary (SPEC §2 stream).
+//!
+//! The tracker sees every byte sent to the client and keeps three bits: inside a line,
+//! inside an event (a non-comment line since the last blank line), and whether the last
+//! byte was a CR (whose LF, if it came next, would belong to the same line end). From
+//! those it knows the bytes that end a partial event — so the error event is never glued
+//! onto a half line, and parses on its own — and whether the upstream stopped mid-event.
+//! It keeps no bytes of the stream.
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EventBoundary {
+    mid_line: bool,
+    /// The current line started with `:` (a comment opens no event).
+    comment: bool,
+    event_open: bool,
+    after_cr: bool,
+}
+
+impl EventBoundary {
+    /// Follows the bytes that were sent to the client.
+    pub fn feed(&mut self, chunk: &[u8]) {
+        for &b in chunk {
+            match b {
+                b'\n' if self.after_cr => self.after_cr = false,
+                b'\n' | b'\r' => {
+                    self.after_cr = b == b'\r';
+                    self.line_end();
+                }
+                _ => {
+                    self.after_cr = false;
+                    if !self.mid_line {
+                        self.mid_line = true;
+                        self.comment = b == b':';
+                    }
+                }
+            }
+        }
+    }
+
+    fn line_end(&mut self) {
+        if self.mid_line {
+            self.event_open |= !self.comment;
+            self.mid_line = false;
+        } else {
+            // A blank line dispatches (or discards) the event.
+            self.event_open = false;
+        }
+    }
+
+    /// True when the stream stopped inside an event (or a line).
+    pub fn is_mid_event(&self) -> bool {
+        self.mid_line || self.event_open
+    }
+
+    /// The bytes that end the partial event, so the next byte starts a new one.
+    pub fn terminator(&self) -> &'static [u8] {
+        match (self.mid_line, self.event_open, self.after_cr) {
+            // End the line, then the event.
+            (true, _, _) => b"\n\n",
+            // A LF right after a CR would only finish that CR's line end.
+            (false, true, true) => b"\n\n",
+            (false, true, false) => b"\n",
+            // A bare comment line ends with a blank line too; otherwise nothing is open.
+            (false, false, _) => b"",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn after(chunks: &[&[u8]]) -> EventBoundary {
+        let mut b = EventBoundary::default();
+        for c in chunks {
+            b.feed(c);
+        }
+        b
+    }
+
+    /// Chunks fed, the terminator expected, and whether that is mid-event.
+    type Row = (&'static [&'static [u8]], &'static [u8], bool);
+
+    #[test]
+    fn terminators_by_position() {
+        let rows: [Row; 10] = [
+            (&[], b"", false),
+            (&[b"data: {}\n\n"], b"", false),
+            (&[b"data: {\"a\":"], b"\n\n", true),
+            (&[b"event: x\ndata: {}\n"], b"\n", true),
+            (&[b"event: x\r\ndata: {}\r\n"], b"\n", true),
+            (&[b"event: x\r\ndata: {}\r"], b"\n\n", true),
+            (&[b"event: x\r\ndata: {}\r\n\r\n"], b"", false),
+            (&[b"data: a\r", b"\n"], b"\n", true),
+            (&[b"data: a\r\r"], b"", false),
+            (&[b": keep-alive\n"], b"", false),
+        ];
+        for (chunks, term, mid) in rows {
+            let b = after(chunks);
+            assert_eq!(b.terminator(), term, "{chunks:?}");
+            assert_eq!(b.is_mid_event(), mid, "{chunks:?}");
+        }
+    }
+
+    #[test]
+    fn a_terminated_partial_event_leaves_a_boundary() {
+        for chunks in [
+            &[&b"data: {\"a\""[..]][..],
+            &[b"event: e\r\ndata: x\r\n"],
+            &[b"data: x\n", b"data: y"],
+            &[b"data: x\r"],
+        ] {
+            let mut b = after(chunks);
+            b.feed(b.terminator());
+            assert!(!b.is_mid_event(), "{chunks:?}");
+            assert_eq!(b.terminator(), b"", "{chunks:?}");
+        }
+    }
+
+    #[test]
+    fn split_anywhere_gives_the_same_answer() {
+        let stream = b"event: a\r\ndata: {\"x\":1}\r\n\r\n: c\ndata: half";
+        let whole = after(&[stream]);
+        for i in 0..stream.len() {
+            let (x, y) = stream.split_at(i);
+            assert_eq!(after(&[x, y]), whole, "split at {i}");
+        }
+        assert_eq!(whole.terminator(), b"\n\n");
+    }
+}

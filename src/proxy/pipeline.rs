@@ -1,0 +1,463 @@
+//! The attempt loop's driver (ARCHITECTURE §3, §3.1): Sluice, not Pingora, owns the
+//! upstream attempts, and the failover machine (`policy::failover`) owns every decision
+//! in them.
+//!
+//! The driver only runs what the machine says — select, attempt, queue wait, lease
+//! relocation, combo wait, fallback hop, answer — and reports back how each step ended.
+//! Each attempt is settled once (`Engine::settle`), and a committed one streams to its
+//! end here. Invariants: the request's execution deadline is fixed when dispatch
+//! starts and bounds every step; nothing reaches the client before the commit point,
+//! after it nothing fails over; a breaker probe or permit taken for an attempt that
+//! never ran is given back; a body that fails after commit is cut, never completed
+//! (`Err` to Pingora, which then drops the connection).
+
+use super::attempt::{attempt, AttemptEnd, Call, HeldError, Inflight};
+use super::ctx::{AttemptRecord, Request, RequestCtx};
+use super::queue::{wait_for_permit, Permitted};
+use super::respond;
+use super::stream::{stream, StreamEnd};
+use super::watch::ClientWatch;
+use crate::codes::ErrorCode;
+use crate::engine::judge::Verdict;
+use crate::engine::permits::PermitGuard;
+use crate::engine::record::{AttemptInfo, Outcome};
+use crate::engine::select::{Asker, Candidate};
+use crate::engine::settle::AttemptOutcome;
+use crate::engine::{Pick, Selection};
+use crate::policy::breaker::Permit;
+use crate::policy::failover::{Answer, Failover, Limits, Next, Offer, Queued, Refusal};
+use crate::policy::{ms, retry_after_secs, Millis};
+use pingora::proxy::Session;
+use std::time::{Duration, Instant};
+
+/// Runs the request's attempts until one commits or the machine answers; leaves a
+/// complete response on `session`, or returns `Err` when the client connection must be
+/// cut (a committed body that failed).
+pub async fn run(
+    session: &mut Session,
+    req: Request<'_>,
+    ctx: &mut RequestCtx,
+) -> pingora::Result<()> {
+    let now = req.engine.now();
+    let exec = req.snap.config.resilience.queue.execution_timeout;
+    let mut fsm = Failover::new(limits(&req, now, exec));
+    let mut d = Driver {
+        deadline: Instant::now() + exec,
+        req,
+        watch: ClientWatch::default(),
+        slot: None,
+        full: Vec::new(),
+        held: None,
+    };
+    let mut next = Next::Select;
+    loop {
+        next = match next {
+            Next::Select => d.select(&mut fsm),
+            Next::Attempt(pick) => match d.attempt(session, &mut fsm, pick, ctx).await {
+                Step::Next(n) => n,
+                Step::Done(result) => return result,
+            },
+            Next::Queue { until, fail_open } => d.queue(session, &mut fsm, until, fail_open).await,
+            Next::RelocateLease => {
+                d.relocate_lease().await;
+                fsm.on_lease_relocated()
+            }
+            Next::Wait { until } => d.combo_wait(session, until).await,
+            Next::Fallback { model } => d.fall_back(model),
+            Next::Answer(a) => return d.answer(session, a, ctx).await,
+        };
+    }
+}
+
+/// The failover machine's limits for this request, fixed at dispatch start.
+fn limits(req: &Request<'_>, now: Millis, exec: Duration) -> Limits {
+    let cfg = &req.snap.config;
+    let res = &cfg.resilience;
+    Limits {
+        max_attempts: cfg.server.max_attempts,
+        combo: res.combo_wait.clone(),
+        model_cooldown_wait: cfg.models[req.model].cooldown_wait,
+        queue_wait: res.queue.wait,
+        fail_open: res.queue.fail_open,
+        deadline: now.saturating_add(ms(exec)),
+        reserve: Limits::reserve_for(exec),
+        has_lease: req.lease.is_some(),
+        fallback: emergency_fallback(req),
+    }
+}
+
+/// The `emergency_fallback` model, when it applies to this request (SPEC §5.12): not
+/// for a leased session, not the model itself, and only one that serves the family.
+fn emergency_fallback(req: &Request<'_>) -> Option<usize> {
+    if req.lease.is_some() {
+        return None;
+    }
+    req.snap
+        .config
+        .emergency_fallback
+        .as_deref()
+        .and_then(|name| req.snap.model_index(name))
+        .filter(|m| *m != req.model && req.snap.serves_family(*m, req.family))
+}
+
+/// The permits of the pick the machine is about to run.
+struct Slot {
+    pick: Pick,
+    probe: bool,
+    /// Held for the attempt's whole life (its stream included); released on drop.
+    _permit: PermitGuard,
+}
+
+enum Step {
+    Next(Next),
+    Done(pingora::Result<()>),
+}
+
+struct Driver<'a> {
+    /// The request being served (its model switches on the fallback hop).
+    req: Request<'a>,
+    deadline: Instant,
+    watch: ClientWatch,
+    slot: Option<Slot>,
+    /// The candidates a queue wait is for.
+    full: Vec<Candidate>,
+    /// The last upstream error, held for pass-through.
+    held: Option<(HeldError, Verdict)>,
+}
+
+impl Driver<'_> {
+    fn select(&mut self, fsm: &mut Failover) -> Next {
+        let r = &self.req;
+        let pin = r.pin_key.as_deref().and_then(|k| r.engine.pinned(k));
+        let selection = {
+            let asker = Asker {
+                client: r.client,
+                lease: r
+                    .lease
+                    .as_ref()
+                    .map(|l| (l.owner_hash.as_str(), l.connection.as_str())),
+                tried: fsm.tried(),
+            };
+            r.engine
+                .select(r.snap, r.model, r.family, &asker, pin.as_deref())
+        };
+        let now = r.engine.now();
+        match selection {
+            Selection::Picked {
+                pick,
+                probe,
+                permit,
+            } => {
+                self.slot = Some(Slot {
+                    pick,
+                    probe,
+                    _permit: permit,
+                });
+                fsm.on_offer(Offer::Picked(pick), now)
+            }
+            Selection::Full { full, .. } => {
+                self.full = full;
+                fsm.on_offer(Offer::Full, now)
+            }
+            Selection::Empty(excluded) => fsm.on_offer(Offer::Empty(&excluded), now),
+        }
+    }
+
+    async fn attempt(
+        &mut self,
+        session: &mut Session,
+        fsm: &mut Failover,
+        pick: Pick,
+        ctx: &mut RequestCtx,
+    ) -> Step {
+        let Some(slot) = self.slot.take().filter(|s| s.pick == pick) else {
+            // A pick always comes with its permits; without them, select again.
+            return Step::Next(Next::Select);
+        };
+        ctx.attempts = fsm.attempts() as u32;
+        ctx.pick = Some(names(&self.req, pick));
+        let engine = self.req.engine;
+        let started = engine.now();
+        let inflight = Inflight::start(&self.req, pick);
+        let end = {
+            let call = Call {
+                req: &self.req,
+                pick,
+                deadline: self.deadline,
+            };
+            attempt(session, &mut self.watch, &call, ctx).await
+        };
+        let info = info(&self.req, pick, started, slot.probe, fsm.is_last_attempt());
+        let settled = engine.settle(&info, outcome_of(&end)).await;
+        if let Some(v) = &settled.verdict {
+            ctx.records.push(record(&self.req, pick, v));
+        }
+        match end {
+            AttemptEnd::Committed(c) => {
+                let end = stream(session, &mut self.watch, &self.req, self.deadline, *c).await;
+                drop((inflight, slot));
+                return Step::Done(stream_ended(engine, &info, end, ctx));
+            }
+            AttemptEnd::Refused(err) => self.held = settled.verdict.map(|v| (*err, v)),
+            AttemptEnd::Transport(..) | AttemptEnd::Deadline | AttemptEnd::ClientGone => {}
+        }
+        drop((inflight, slot));
+        Step::Next(fsm.on_ended(settled.ended, engine.now()))
+    }
+
+    async fn queue(
+        &mut self,
+        session: &mut Session,
+        fsm: &mut Failover,
+        until: Millis,
+        fail_open: bool,
+    ) -> Next {
+        let engine = self.req.engine;
+        let limit = Duration::from_millis(until.saturating_sub(engine.now()));
+        let full = std::mem::take(&mut self.full);
+        let queued =
+            match wait_for_permit(session, &mut self.watch, &self.req, &full, limit, fail_open)
+                .await
+            {
+                Permitted::Got(c, permit) => self.recheck(fsm, c, permit),
+                Permitted::Full => Queued::Full,
+                Permitted::TimedOut => Queued::TimedOut,
+                Permitted::ClientGone => return Next::Answer(Answer::ClientGone),
+            };
+        fsm.on_queued(queued, engine.now())
+    }
+
+    /// After a wait of possibly seconds, the connection may have started cooling, gone
+    /// terminal or been leased meanwhile, and its breaker must still give a permit.
+    fn recheck(&mut self, fsm: &Failover, c: Candidate, permit: PermitGuard) -> Queued {
+        let r = &self.req;
+        let asker = Asker {
+            client: r.client,
+            lease: r
+                .lease
+                .as_ref()
+                .map(|l| (l.owner_hash.as_str(), l.connection.as_str())),
+            tried: fsm.tried(),
+        };
+        if !r
+            .engine
+            .still_runnable(r.snap, r.model, r.family, &asker, &c)
+        {
+            return Queued::NotRunnable;
+        }
+        let probe = match r.engine.breaker_permit(r.snap, c.provider, r.engine.now()) {
+            Permit::Allow => false,
+            Permit::Probe => true,
+            Permit::Deny { .. } => {
+                return Queued::BreakerDenied {
+                    provider: c.provider,
+                }
+            }
+        };
+        let pick = Pick::from(c);
+        self.slot = Some(Slot {
+            pick,
+            probe,
+            _permit: permit,
+        });
+        Queued::Got(pick)
+    }
+
+    /// Moves a lease whose connection became ineligible (same generation), durably.
+    async fn relocate_lease(&mut self) {
+        let r = &self.req;
+        let (Some(lease), Some(client)) = (&r.lease, r.client) else {
+            return;
+        };
+        if let Some(moved) = r.engine.lease_relocate(r.snap, client, lease).await {
+            if moved.connection != lease.connection {
+                self.req.lease = Some(moved);
+            }
+        }
+    }
+
+    async fn combo_wait(&mut self, session: &mut Session, until: Millis) -> Next {
+        let r = &self.req;
+        let wait = Duration::from_millis(until.saturating_sub(r.engine.now()));
+        tracing::info!(model = %r.snap.config.models[r.model].name, wait_ms = wait.as_millis() as u64, "combo wait");
+        if self.watch.sleep(session, wait).await {
+            Next::Select
+        } else {
+            Next::Answer(Answer::ClientGone)
+        }
+    }
+
+    fn fall_back(&mut self, model: usize) -> Next {
+        let cfg = &self.req.snap.config;
+        tracing::warn!(model = %cfg.models[self.req.model].name, fallback = %cfg.models[model].name, "no runnable target: trying the emergency fallback model");
+        self.req.model = model;
+        self.req.pin_key = None;
+        Next::Select
+    }
+
+    async fn answer(
+        &mut self,
+        session: &mut Session,
+        answer: Answer,
+        ctx: &mut RequestCtx,
+    ) -> pingora::Result<()> {
+        self.release_slot();
+        match answer {
+            Answer::Committed => Ok(()),
+            Answer::ClientGone => {
+                ctx.status = 499;
+                ctx.note = Some("client_gone");
+                Ok(())
+            }
+            Answer::PassThrough => match self.held.take() {
+                Some((err, v)) => {
+                    ctx.pick = Some(names(&self.req, err.pick));
+                    respond::pass_through(session, err, &v, ctx).await
+                }
+                None => {
+                    let r = Refusal {
+                        code: ErrorCode::UpstreamUnavailable,
+                        retry_after: None,
+                        reset_at: None,
+                        excluded: Vec::new(),
+                        with_attempts: true,
+                    };
+                    self.refuse(session, &r, ctx).await
+                }
+            },
+            Answer::Refuse(r) => self.refuse(session, &r, ctx).await,
+        }
+    }
+
+    async fn refuse(
+        &self,
+        session: &mut Session,
+        r: &Refusal,
+        ctx: &mut RequestCtx,
+    ) -> pingora::Result<()> {
+        let engine = self.req.engine;
+        let now = engine.now();
+        let model = &self.req.snap.config.models[self.req.model].name;
+        for e in &r.excluded {
+            tracing::warn!(
+                model = %model,
+                provider = %e.provider,
+                connection = %e.connection,
+                upstream_model = %e.model,
+                reason = e.reason.as_str(),
+                remaining_s = e.until.map(|u| retry_after_secs(u, now)).unwrap_or(0),
+                "target excluded"
+            );
+        }
+        let queue_label = match r.code {
+            ErrorCode::QueueFull => Some("queue_full"),
+            ErrorCode::QueueTimeout => Some("queue_timeout"),
+            _ => None,
+        };
+        if let Some(label) = queue_label {
+            engine
+                .metrics
+                .queue_rejections_total
+                .with_label_values(&[label])
+                .inc();
+        }
+        let e = respond::refusal_error(&self.req, r, ctx, now);
+        respond::finish_error(session, self.req.family, e, ctx).await
+    }
+
+    /// A probe taken for an attempt that will not run goes back to the breaker (the
+    /// permit is released when the slot drops).
+    fn release_slot(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            if slot.probe {
+                let now = self.req.engine.now();
+                let info = info(&self.req, slot.pick, now, true, false);
+                self.req.engine.record(&info, Outcome::Abandoned);
+            }
+        }
+    }
+}
+
+/// One attempt as the failure memory records it.
+/// `started` is when the attempt began: failures of attempts that started before the
+/// current cooldown was set do not extend it (anti-thundering-herd, SPEC §5.3).
+fn info<'r>(
+    req: &'r Request<'_>,
+    pick: Pick,
+    started: Millis,
+    probe: bool,
+    last: bool,
+) -> AttemptInfo<'r> {
+    AttemptInfo {
+        snap: req.snap,
+        model: req.model,
+        pick,
+        started,
+        probe,
+        last,
+        pin: req.pin_key.as_deref(),
+    }
+}
+
+/// The failure memory's view of an attempt's end.
+fn outcome_of(end: &AttemptEnd) -> AttemptOutcome<'_> {
+    match end {
+        AttemptEnd::Committed(c) => AttemptOutcome::Committed {
+            headers: &c.header.headers,
+            latency: c.latency,
+        },
+        AttemptEnd::Refused(e) => AttemptOutcome::Refused {
+            status: e.header.status.as_u16(),
+            headers: &e.header.headers,
+            body: &e.body,
+        },
+        AttemptEnd::Transport(kind, what) => AttemptOutcome::Transport { kind: *kind, what },
+        AttemptEnd::Deadline => AttemptOutcome::Deadline,
+        AttemptEnd::ClientGone => AttemptOutcome::ClientGone,
+    }
+}
+
+/// How a committed stream's end is settled and reported to Pingora.
+fn stream_ended(
+    engine: &crate::engine::Engine,
+    info: &AttemptInfo<'_>,
+    end: StreamEnd,
+    ctx: &mut RequestCtx,
+) -> pingora::Result<()> {
+    let StreamEnd::Aborted { reason, cut } = end else {
+        return Ok(());
+    };
+    engine.settle_stream(info, reason);
+    ctx.note = Some(reason.as_str());
+    if cut {
+        ctx.cut = true;
+        return Err(pingora::Error::explain(
+            pingora::ErrorType::Custom("sluice_cut"),
+            reason.as_str(),
+        ));
+    }
+    Ok(())
+}
+
+/// (provider, connection, upstream model) of a pick.
+fn names(req: &Request<'_>, pick: Pick) -> (String, String, String) {
+    let cfg = &req.snap.config;
+    let p = &cfg.providers[pick.provider];
+    (
+        p.id.clone(),
+        p.connections[pick.connection].id.clone(),
+        cfg.models[req.model].targets[pick.target].model.clone(),
+    )
+}
+
+/// `diagnostics.attempts[]` entry of a failed attempt.
+fn record(req: &Request<'_>, pick: Pick, v: &Verdict) -> AttemptRecord {
+    let (provider, connection, model) = names(req, pick);
+    AttemptRecord {
+        provider,
+        connection,
+        model,
+        status: (v.status != 0).then_some(v.status),
+        reason: v.class.reason.as_str(),
+    }
+}

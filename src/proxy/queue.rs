@@ -1,0 +1,80 @@
+//! The queue wait of the select phase (SPEC §5.7): when every runnable candidate is at
+//! its concurrency cap, wait FIFO for the first free permit among them.
+//!
+//! The failover machine decides how long (`queue.wait`, bounded by the request's
+//! execution budget) and whether a timeout goes ahead without a permit; this module
+//! only waits. Invariants: a request rejected at `queue.max_depth` never waits at all;
+//! the wait is counted in `queue_depth` while it lasts; a client that leaves ends it;
+//! dropping the wait leaves the semaphore queues without taking anything.
+
+use super::ctx::Request;
+use super::watch::{ClientWatch, Wait};
+use crate::engine::permits::PermitGuard;
+use crate::engine::select::{self, Candidate};
+use futures::future::select_all;
+use pingora::proxy::Session;
+use std::time::Duration;
+
+pub(super) enum Permitted {
+    /// A permit — or, failing open after the wait, an uncounted one.
+    Got(Candidate, PermitGuard),
+    /// Every candidate already has `queue.max_depth` waiters.
+    Full,
+    /// The wait ended without a permit (and without failing open).
+    TimedOut,
+    ClientGone,
+}
+
+/// Waits up to `limit` for the first free permit among `full`.
+pub(super) async fn wait_for_permit(
+    session: &mut Session,
+    watch: &mut ClientWatch,
+    req: &Request<'_>,
+    full: &[Candidate],
+    limit: Duration,
+    fail_open: bool,
+) -> Permitted {
+    let q = &req.snap.config.resilience.queue;
+    let permits = &req.engine.permits;
+    let limits: Vec<_> = full
+        .iter()
+        .map(|c| select::limits(req.snap, req.model, c))
+        .collect();
+    if limits.is_empty() {
+        return Permitted::TimedOut;
+    }
+    if q.max_depth > 0
+        && limits
+            .iter()
+            .all(|l| permits.waiting(&l.conn_key) >= q.max_depth)
+    {
+        return Permitted::Full;
+    }
+    let mut keys: Vec<&str> = limits.iter().map(|l| l.conn_key.as_str()).collect();
+    keys.sort_unstable();
+    keys.dedup();
+    let _waiting: Vec<_> = keys.iter().map(|k| permits.wait_on(k)).collect();
+    let waits = limits
+        .iter()
+        .enumerate()
+        .map(|(i, l)| Box::pin(async move { (i, permits.acquire(l).await) }));
+    // The other waits are dropped here, before `limits`, which they borrow.
+    let won = match watch.race(session, limit, select_all(waits)).await {
+        Wait::Ready(((i, got), _, _)) => Wait::Ready((i, got)),
+        Wait::TimedOut => Wait::TimedOut,
+        Wait::ClientGone => Wait::ClientGone,
+    };
+    match won {
+        Wait::Ready((i, Some(guard))) => Permitted::Got(full[i], guard),
+        // The semaphore was closed under us: go on uncounted rather than fail.
+        Wait::Ready((i, None)) => Permitted::Got(full[i], permits.unlimited(&limits[i])),
+        Wait::ClientGone => Permitted::ClientGone,
+        Wait::TimedOut if fail_open => {
+            let now = req.engine.now();
+            let c = select::pick(req.engine, req.snap, req.model, full, now).unwrap_or(full[0]);
+            let guard = permits.unlimited(&select::limits(req.snap, req.model, &c));
+            Permitted::Got(c, guard)
+        }
+        Wait::TimedOut => Permitted::TimedOut,
+    }
+}

@@ -1,0 +1,214 @@
+//! The stream phase (SPEC §2 stream, §5.9): a committed body is passed to the client
+//! chunk by chunk, unbuffered, under the stall guard, the throughput watchdog and the
+//! execution deadline. There is no failover after the commit point.
+//!
+//! Invariant — a failure is never framed as a complete answer:
+//! - an SSE stream that fails (upstream error, stall, watchdog, deadline, or an upstream
+//!   that stops inside an event) gets its partial event terminated, then the route
+//!   family's error event, then a clean end;
+//! - any other body that fails is cut: the client connection is dropped without a
+//!   terminating chunk, and a `Content-Length` body is never completed, so no client can
+//!   take a truncated JSON for an answer (`StreamEnd::Aborted { cut: true }`).
+//!
+//! Heartbeats (comments, pings, empty `data:`) never reset the stall timer. The upstream
+//! connection goes back to the pool only after its body was read whole.
+
+use super::attempt::{Committed, POOL_IDLE};
+use super::ctx::Request;
+use super::framing::EventBoundary;
+use super::respond;
+use super::sse::{SseAssembler, SseEvent, SseProgress};
+use super::watch::{ClientWatch, Wait};
+use crate::codes::AbortReason;
+use crate::policy::watchdog::{classify_event, ThroughputWatchdog, WatchdogConfig};
+use bytes::Bytes;
+use pingora::proxy::Session;
+use std::time::Instant;
+
+/// How a committed response ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum StreamEnd {
+    /// The body ended as the upstream framed it.
+    Complete,
+    /// Ended early for `reason`; `cut` when the client connection must be dropped
+    /// (nothing more may be written, not even a terminating chunk).
+    Aborted { reason: AbortReason, cut: bool },
+}
+
+/// Streams the committed body to the client.
+pub(super) async fn stream(
+    session: &mut Session,
+    watch: &mut ClientWatch,
+    req: &Request<'_>,
+    deadline: Instant,
+    c: Committed,
+) -> StreamEnd {
+    let Committed {
+        mut up,
+        peer,
+        first,
+        is_sse,
+        ..
+    } = c;
+    let Some(first) = first else {
+        // Empty body: the header already ended the response.
+        req.engine
+            .connector
+            .release_http_session(up, &peer, Some(POOL_IDLE))
+            .await;
+        return StreamEnd::Complete;
+    };
+    let mut pump = Pump::new(req, is_sse, deadline);
+    let end = pump.run(session, watch, &mut up, first).await;
+    match end {
+        StreamEnd::Complete => {
+            req.engine
+                .connector
+                .release_http_session(up, &peer, Some(POOL_IDLE))
+                .await
+        }
+        StreamEnd::Aborted { .. } => up.shutdown().await,
+    }
+    end
+}
+
+/// The guards and framing state of one committed body.
+struct Pump<'r, 'a> {
+    req: &'r Request<'a>,
+    is_sse: bool,
+    deadline: Instant,
+    progress: SseProgress,
+    boundary: EventBoundary,
+    watchdog: Option<Watch>,
+    last_progress: Instant,
+}
+
+impl<'r, 'a> Pump<'r, 'a> {
+    fn new(req: &'r Request<'a>, is_sse: bool, deadline: Instant) -> Self {
+        Pump {
+            req,
+            is_sse,
+            deadline,
+            progress: SseProgress::default(),
+            boundary: EventBoundary::default(),
+            watchdog: Watch::new(req, is_sse),
+            last_progress: Instant::now(),
+        }
+    }
+
+    async fn run(
+        &mut self,
+        session: &mut Session,
+        watch: &mut ClientWatch,
+        up: &mut pingora::protocols::http::client::HttpSession,
+        first: Bytes,
+    ) -> StreamEnd {
+        let stall = self.req.snap.config.resilience.stream.stall_timeout;
+        let mut next = Some(first);
+        loop {
+            if let Some(chunk) = next.take() {
+                if let Some(end) = self.forward(session, chunk).await {
+                    return end;
+                }
+            }
+            let now = Instant::now();
+            let limit = (self.last_progress + stall)
+                .min(self.deadline)
+                .saturating_duration_since(now);
+            match watch.race(session, limit, up.read_response_body()).await {
+                Wait::Ready(Ok(Some(c))) => next = Some(c),
+                Wait::Ready(Ok(None)) if self.is_sse && self.boundary.is_mid_event() => {
+                    // The upstream closed inside an event: not a complete stream.
+                    return self.fail(session, AbortReason::UpstreamError).await;
+                }
+                Wait::Ready(Ok(None)) => {
+                    return match session.write_response_body(None, true).await {
+                        Ok(()) => StreamEnd::Complete,
+                        Err(_) => cut(AbortReason::ClientGone),
+                    };
+                }
+                Wait::Ready(Err(_)) => return self.fail(session, AbortReason::UpstreamError).await,
+                Wait::TimedOut if Instant::now() >= self.deadline => {
+                    return self.fail(session, AbortReason::ExecutionTimeout).await
+                }
+                Wait::TimedOut => return self.fail(session, AbortReason::Stall).await,
+                Wait::ClientGone => return cut(AbortReason::ClientGone),
+            }
+        }
+    }
+
+    /// Passes one chunk on, unless the watchdog ends the stream on it.
+    async fn forward(&mut self, session: &mut Session, chunk: Bytes) -> Option<StreamEnd> {
+        if !self.is_sse || self.progress.feed(&chunk) {
+            self.last_progress = Instant::now();
+        }
+        let now = self.req.engine.now();
+        if self
+            .watchdog
+            .as_mut()
+            .is_some_and(|w| w.too_slow(&chunk, now))
+        {
+            // The chunk that tipped the verdict is not delivered (SPEC §5.9).
+            return Some(self.fail(session, AbortReason::Throughput).await);
+        }
+        if self.is_sse {
+            self.boundary.feed(&chunk);
+        }
+        match session.write_response_body(Some(chunk), false).await {
+            Ok(()) => None,
+            Err(_) => Some(cut(AbortReason::ClientGone)),
+        }
+    }
+
+    /// Ends a committed response that failed: an SSE stream with the family's error
+    /// event on an event boundary and a clean end; any other body by a cut.
+    async fn fail(&mut self, session: &mut Session, reason: AbortReason) -> StreamEnd {
+        if !self.is_sse {
+            return cut(reason);
+        }
+        let mut tail = self.boundary.terminator().to_vec();
+        tail.extend_from_slice(&respond::sse_error_event(self.req.route, reason));
+        let ended = session
+            .write_response_body(Some(Bytes::from(tail)), false)
+            .await
+            .is_ok()
+            && session.write_response_body(None, true).await.is_ok();
+        StreamEnd::Aborted {
+            reason,
+            cut: !ended,
+        }
+    }
+}
+
+fn cut(reason: AbortReason) -> StreamEnd {
+    StreamEnd::Aborted { reason, cut: true }
+}
+
+/// The throughput watchdog of one streamed response (SPEC §5.9), when enabled: SSE
+/// events are assembled from the chunks and only text deltas count as useful output.
+struct Watch {
+    events: SseAssembler,
+    dog: ThroughputWatchdog,
+    scratch: Vec<SseEvent>,
+}
+
+impl Watch {
+    fn new(req: &Request<'_>, is_sse: bool) -> Option<Self> {
+        let cfg = &req.snap.config.resilience.watchdog;
+        (cfg.enabled && is_sse).then(|| Watch {
+            events: SseAssembler::new(64 * 1024),
+            dog: ThroughputWatchdog::new(WatchdogConfig::from(cfg), req.engine.now()),
+            scratch: Vec::new(),
+        })
+    }
+
+    /// Feeds one chunk; true when the stream should be aborted.
+    fn too_slow(&mut self, chunk: &[u8], now: crate::policy::Millis) -> bool {
+        self.events.feed(chunk, &mut self.scratch);
+        for e in self.scratch.drain(..) {
+            self.dog
+                .observe(classify_event(e.event.as_deref(), &e.data), now);
+        }
+        self.dog.should_abort(now)
+    }
+}

@@ -1,0 +1,65 @@
+//! Watching the client while Sluice waits on something else (SPEC §5.9: a client that
+//! disconnects ends the upstream attempt at once, no wasted tokens).
+//!
+//! Every wait of the request path — DNS, connect, the upstream's first byte, a body
+//! chunk, a queue or combo wait — runs through [`ClientWatch::race`]: the future, a time
+//! limit and the client socket race, and whichever finishes first wins. Invariants: a
+//! wait never outlives its limit; a closed client ends it with `ClientGone`; bytes the
+//! client sends meanwhile (a pipelined request) stop the watching rather than being
+//! taken for a disconnect, and are left for Pingora to read.
+
+use pingora::proxy::Session;
+use std::future::Future;
+use std::time::Duration;
+
+/// How a raced wait ended.
+pub enum Wait<T> {
+    Ready(T),
+    TimedOut,
+    ClientGone,
+}
+
+/// Whether the client socket is still being watched for a disconnect.
+pub struct ClientWatch {
+    watching: bool,
+}
+
+impl Default for ClientWatch {
+    fn default() -> Self {
+        ClientWatch { watching: true }
+    }
+}
+
+impl ClientWatch {
+    /// Runs `fut` for at most `limit`, watching the client connection meanwhile.
+    pub async fn race<F: Future>(
+        &mut self,
+        session: &mut Session,
+        limit: Duration,
+        fut: F,
+    ) -> Wait<F::Output> {
+        tokio::pin!(fut);
+        let sleep = tokio::time::sleep(limit);
+        tokio::pin!(sleep);
+        loop {
+            tokio::select! {
+                biased;
+                out = &mut fut => return Wait::Ready(out),
+                _ = &mut sleep => return Wait::TimedOut,
+                r = session.downstream_session.read_body_or_idle(true), if self.watching => match r {
+                    Err(_) => return Wait::ClientGone,
+                    // Unexpected bytes (e.g. a pipelined request): stop probing, keep going.
+                    Ok(_) => self.watching = false,
+                },
+            }
+        }
+    }
+
+    /// Sleeps `d` unless the client leaves first; false if it left.
+    pub async fn sleep(&mut self, session: &mut Session, d: Duration) -> bool {
+        !matches!(
+            self.race(session, d, std::future::pending::<()>()).await,
+            Wait::ClientGone
+        )
+    }
+}

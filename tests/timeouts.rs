@@ -1,0 +1,143 @@
+//! First-byte timeout for every attempt (SPEC §2 connect): an upstream that accepts the
+//! request and never answers is a transport failure of its provider, streaming or not.
+//! The request fails over after `stream.ttft_timeout`; when every attempt hung, the
+//! client gets 504 `upstream_timeout` with the attempts listed.
+
+mod common;
+
+use common::gw::{server_section, Gateway};
+use common::raw::{RawUpstream, Step};
+use common::{open_stream, parse_sse, Mock};
+use std::time::{Duration, Instant};
+
+fn config(a: &str, b: &str) -> String {
+    format!(
+        "{}providers:
+  - id: a
+    base_url: \"{a}\"
+    api: openai
+    connections: [ {{ id: ka, api_key_env: KEY }} ]
+  - id: b
+    base_url: \"{b}\"
+    api: openai
+    connections: [ {{ id: kb, api_key_env: KEY }} ]
+models:
+  - name: m
+    strategy: priority
+    targets:
+      - {{ provider: a, model: up-a }}
+      - {{ provider: b, model: up-b }}
+resilience:
+  stream: {{ ttft_timeout: \"1s\" }}
+",
+        server_section("")
+    )
+}
+
+const KEY: &[(&str, &str)] = &[("KEY", "k")];
+
+fn breaker_failures(gw: &Gateway, provider: &str) -> u64 {
+    let h = gw.admin_get("/api/monitoring/health").json();
+    h["providers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["provider"] == provider)
+        .unwrap()["failures"]
+        .as_u64()
+        .unwrap()
+}
+
+fn assert_about_one_second(took: Duration) {
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(3),
+        "took {took:?}, expected about ttft_timeout (1 s)"
+    );
+}
+
+#[test]
+fn a_silent_upstream_fails_over_after_ttft_without_streaming() {
+    let silent = RawUpstream::start(vec![Step::Hang]);
+    let b = Mock::start_named("b", &[]);
+    let gw = Gateway::start(&config(&silent.base_url(), &b.base_url()), KEY);
+    let t = Instant::now();
+    let r = gw.chat(r#"{"model":"m","messages":[]}"#);
+    assert_about_one_second(t.elapsed());
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-sluice-provider"), Some("b"));
+    assert_eq!(r.header("x-sluice-attempts"), Some("2"));
+    assert_eq!(silent.calls(), 1);
+    assert_eq!(b.route_count("/v1/chat/completions"), 1);
+    // A hung upstream is a provider failure: its breaker counted it.
+    assert_eq!(breaker_failures(&gw, "a"), 1);
+    assert_eq!(breaker_failures(&gw, "b"), 0);
+}
+
+#[test]
+fn a_silent_upstream_fails_over_after_ttft_when_streaming() {
+    let silent = RawUpstream::start(vec![Step::Hang]);
+    let b = Mock::start_named("b", &[]);
+    let gw = Gateway::start(&config(&silent.base_url(), &b.base_url()), KEY);
+    let t = Instant::now();
+    let mut s = open_stream(
+        gw.client,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        br#"{"model":"m","stream":true}"#,
+    );
+    assert_about_one_second(t.elapsed());
+    assert_eq!(s.status, 200);
+    assert_eq!(s.header("x-sluice-provider"), Some("b"));
+    let events = parse_sse(&s.read_to_end(Duration::from_secs(10)));
+    assert_eq!(events.last().map(|e| e.data.as_str()), Some("[DONE]"));
+    assert_eq!(silent.calls(), 1);
+    assert_eq!(breaker_failures(&gw, "a"), 1);
+}
+
+#[test]
+fn a_header_without_a_body_is_silent_too() {
+    // The upstream sends a 200 header and then nothing: not committed, so it fails over.
+    let half = RawUpstream::start(vec![
+        Step::Write(common::raw::head(
+            200,
+            &[
+                "Content-Type: text/event-stream",
+                "Transfer-Encoding: chunked",
+            ],
+        )),
+        Step::Hang,
+    ]);
+    let b = Mock::start_named("b", &[]);
+    let gw = Gateway::start(&config(&half.base_url(), &b.base_url()), KEY);
+    let t = Instant::now();
+    let r = gw.chat(r#"{"model":"m"}"#);
+    assert_about_one_second(t.elapsed());
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-sluice-provider"), Some("b"));
+}
+
+#[test]
+fn every_attempt_silent_gives_504_upstream_timeout() {
+    let a = RawUpstream::start(vec![Step::Hang]);
+    let b = RawUpstream::start(vec![Step::Hang]);
+    let gw = Gateway::start(&config(&a.base_url(), &b.base_url()), KEY);
+    let t = Instant::now();
+    let r = gw.chat(r#"{"model":"m"}"#);
+    let took = t.elapsed();
+    assert!(
+        took >= Duration::from_millis(1800) && took < Duration::from_secs(5),
+        "took {took:?}: two attempts of about 1 s each"
+    );
+    assert_eq!(r.status, 504, "{}", r.text());
+    let j = r.json();
+    assert_eq!(j["error"]["code"], "upstream_timeout");
+    let attempts = j["error"]["diagnostics"]["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 2, "{j}");
+    assert_eq!(attempts[0]["provider"], "a");
+    assert_eq!(attempts[1]["provider"], "b");
+    for at in attempts {
+        assert_eq!(at["reason"], "timeout");
+    }
+    assert_eq!((a.calls(), b.calls()), (1, 1));
+}
