@@ -78,6 +78,33 @@ fn misstated_quota_403_is_restated_unless_excluded() {
 }
 
 #[test]
+fn escaped_markers_restate_like_the_text_they_stand_for() {
+    let mock = Mock::start(&[]);
+    let gw = Gateway::start(&config(&mock.base_url()), &[("KEY", "k")]);
+    gw.write_rules("restatement.yaml", RESTATE);
+    assert_eq!(gw.admin_post("/api/config/reload", "").status, 200);
+
+    // `用户额度不足` as an ASCII-only JSON encoder writes it (`\\` is one backslash in
+    // the mock's fault grammar).
+    mock.set_fault(
+        r#"status=403;body={"error":{"message":"\\u7528\\u6237\\u989D\\u5ea6\\u4e0d\\u8db3"}}"#,
+    );
+    let r = gw.chat(r#"{"model":"m"}"#);
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.header("retry-after"), Some("45"));
+    assert!(r.text().contains(r"\u7528"), "the upstream body is kept: {}", r.text());
+
+    // An escaped exclude marker (`无权访问模型`) still keeps the 403 as it is.
+    gw.admin_post("/api/resilience/cooldowns", r#"{"all": true}"#);
+    mock.set_fault(
+        r#"status=403;body={"error":{"message":"\\u989d\\u5ea6\\u4e0d\\u8db3: \\u65e0\\u6743\\u8bbf\\u95ee\\u6a21\\u578b"}}"#,
+    );
+    let r = gw.chat(r#"{"model":"m"}"#);
+    assert_eq!(r.status, 403, "{}", r.text());
+    assert_eq!(mock.route_count("/v1/chat/completions"), 2);
+}
+
+#[test]
 fn classification_rule_applies_to_400() {
     let mock = Mock::start(&[]);
     let gw = Gateway::start(&config(&mock.base_url()), &[("KEY", "k")]);
