@@ -128,12 +128,10 @@ pub fn run(path: &Path, reset_state: bool) -> Result<(), StartupError> {
             .snapshot
     };
     let metrics = Metrics::new()?;
-    metrics
-        .config_reloads_total
-        .with_label_values(&["ok"])
-        .inc();
     let writer = StoreWriter::spawn_on_thread(store, Duration::from_millis(100))
         .map_err(|e| StartupError::Store(e.to_string()))?;
+    let write_errors = metrics.store_write_errors_total.clone();
+    writer.on_failure(move |_| write_errors.inc());
     let engine = Engine::new(
         snapshot,
         metrics,

@@ -2,7 +2,9 @@
 //!
 //! `ClientError` is the one shape every locally generated client-facing error takes
 //! before `proxy::respond` renders it in the route's API family (SPEC §4); its status
-//! comes from its [`ErrorCode`], never from the call site.
+//! comes from its [`ErrorCode`], never from the call site. `AdminError` is the admin
+//! API's: each variant fixes its status, so a write the store did not accept can never
+//! be answered 200.
 
 use crate::codes::ErrorCode;
 use thiserror::Error;
@@ -74,5 +76,50 @@ impl StartupError {
             StartupError::Store(_) => "store",
             StartupError::Metrics(_) => "metrics",
         }
+    }
+}
+
+/// Why an admin call failed; rendered by `admin` as `{"error": {code, message}}`.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum AdminError {
+    /// The request is malformed or names something that does not exist in its body.
+    #[error("{0}")]
+    BadRequest(String),
+    /// No such route or object.
+    #[error("{0}")]
+    NotFound(String),
+    /// A config reload that failed validation (the previous config keeps serving).
+    #[error("{0}")]
+    Rejected(String),
+    /// The change was made in memory but the store did not commit it (it stays queued
+    /// and is retried); the caller must not read it as done.
+    #[error("{0}")]
+    NotPersisted(String),
+}
+
+impl AdminError {
+    pub fn status(&self) -> u16 {
+        match self {
+            AdminError::BadRequest(_) => 400,
+            AdminError::NotFound(_) => 404,
+            AdminError::Rejected(_) => 422,
+            AdminError::NotPersisted(_) => 503,
+        }
+    }
+
+    /// The `code` field on the wire.
+    pub fn code(&self) -> &'static str {
+        match self {
+            AdminError::BadRequest(_) => "invalid_request",
+            AdminError::NotFound(_) => "not_found",
+            AdminError::Rejected(_) => "config_rejected",
+            AdminError::NotPersisted(_) => ErrorCode::StateStoreUnavailable.as_str(),
+        }
+    }
+}
+
+impl From<String> for AdminError {
+    fn from(message: String) -> Self {
+        AdminError::BadRequest(message)
     }
 }

@@ -29,6 +29,7 @@ pub struct Metrics {
     pub queue_rejections_total: IntCounterVec,
     pub affinity_pins_active: prometheus::IntGauge,
     pub leases_active: prometheus::IntGauge,
+    pub store_write_errors_total: prometheus::IntCounter,
 }
 
 const LATENCY_BUCKETS: &[f64] = &[
@@ -81,7 +82,10 @@ impl Metrics {
             &["reason"],
         )?;
         let config_reloads_total = IntCounterVec::new(
-            Opts::new("sluice_config_reloads_total", "Config loads by result"),
+            Opts::new(
+                "sluice_config_reloads_total",
+                "Config reloads (file change, SIGHUP, admin) by result; startup is not counted",
+            ),
             &["result"],
         )?;
         let breaker_state = IntGaugeVec::new(
@@ -152,6 +156,15 @@ impl Metrics {
             "sluice_leases_active",
             "Exclusive session leases currently held",
         )?;
+        let store_write_errors_total = prometheus::IntCounter::new(
+            "sluice_store_write_errors_total",
+            "State store commits that failed (each retry of a failing batch counts)",
+        )?;
+        // Both reload results are exported from the start (at 0), so a rate() over them
+        // works before the first reload; startup itself is not a reload.
+        for result in ["ok", "error"] {
+            config_reloads_total.with_label_values(&[result]);
+        }
         for c in [
             Box::new(requests_total.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(attempts_total.clone()),
@@ -171,6 +184,7 @@ impl Metrics {
             Box::new(queue_rejections_total.clone()),
             Box::new(affinity_pins_active.clone()),
             Box::new(leases_active.clone()),
+            Box::new(store_write_errors_total.clone()),
         ] {
             registry.register(c)?;
         }
@@ -194,6 +208,7 @@ impl Metrics {
             queue_rejections_total,
             affinity_pins_active,
             leases_active,
+            store_write_errors_total,
         })
     }
 

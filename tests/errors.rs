@@ -280,3 +280,44 @@ fn models_endpoint_lists_configured_names() {
         .collect();
     assert_eq!(ids, vec!["m", "claude", "nowhere"]);
 }
+
+#[test]
+fn passed_through_retry_after_is_whole_seconds_within_a_day() {
+    let mock = Mock::start(&[]);
+    let gw = Gateway::start(&config(&mock.base_url(), "  max_attempts: 1", "", ""), KEY);
+    let retry = |r: &common::Response| -> u64 {
+        r.header("retry-after")
+            .unwrap_or_else(|| panic!("no Retry-After: {}", r.text()))
+            .parse()
+            .unwrap()
+    };
+    // An absurd hint is clamped to a day.
+    mock.set_fault("status=429;retry_after=343611483;times=1");
+    let r = chat(&gw, &[], br#"{"model":"m"}"#);
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(retry(&r), 86_400);
+
+    // A 503 saying "0" (or a fraction) is told at least one whole second.
+    gw.admin_post("/api/resilience/cooldowns", r#"{"all": true}"#);
+    mock.set_fault("status=503;retry_after=0;times=1");
+    let r = chat(&gw, &[], br#"{"model":"m"}"#);
+    assert_eq!(r.status, 503);
+    assert_eq!(retry(&r), 1);
+    mock.set_fault("status=503;retry_after=1.5;times=1");
+    let r = chat(&gw, &[], br#"{"model":"m"}"#);
+    assert_eq!(r.status, 503);
+    assert!((1..=3).contains(&retry(&r)));
+
+    // A 429 without any hint still says when to come back (the cooldown it caused, or
+    // the one already running on the connection).
+    gw.admin_post("/api/resilience/cooldowns", r#"{"all": true}"#);
+    mock.set_fault("status=429;times=2");
+    let r = chat(&gw, &[], br#"{"model":"m"}"#);
+    assert_eq!(r.status, 429);
+    assert!(
+        (1..=3).contains(&retry(&r)),
+        "{:?}",
+        r.header("retry-after")
+    );
+    assert_eq!(mock.route_count("/v1/chat/completions"), 4);
+}

@@ -141,3 +141,58 @@ fn every_attempt_silent_gives_504_upstream_timeout() {
     }
     assert_eq!((a.calls(), b.calls()), (1, 1));
 }
+
+#[test]
+fn a_pooled_connection_closed_by_the_upstream_is_retried_not_failed_over() {
+    // Each connection answers one request, then reads the next one and closes without a
+    // word: what an upstream that drops idle keep-alive connections looks like when the
+    // gateway reuses one at the wrong moment.
+    let up = RawUpstream::start(vec![
+        Step::Write(common::raw::keep_alive_ok(r#"{"ok":true}"#)),
+        Step::ReadNext,
+    ]);
+    let b = Mock::start_named("b", &[]);
+    let gw = Gateway::start(&config(&up.base_url(), &b.base_url()), KEY);
+    for i in 0..3 {
+        let r = gw.chat(r#"{"model":"m"}"#);
+        assert_eq!(r.status, 200, "request {i}: {}", r.text());
+        assert_eq!(r.header("x-sluice-provider"), Some("a"), "request {i}");
+        assert_eq!(r.header("x-sluice-attempts"), Some("1"));
+    }
+    // The closed pooled connections were not the provider's fault.
+    assert_eq!(breaker_failures(&gw, "a"), 0);
+    assert_eq!(b.route_count("/v1/chat/completions"), 0);
+}
+
+#[test]
+fn an_error_header_without_its_body_fails_over_after_ttft_not_the_stall_timeout() {
+    let half = RawUpstream::start(vec![
+        Step::Write(common::raw::head(
+            503,
+            &["Content-Type: application/json", "Content-Length: 100"],
+        )),
+        Step::Hang,
+    ]);
+    let b = Mock::start_named("b", &[]);
+    let gw = Gateway::start(&config(&half.base_url(), &b.base_url()), KEY);
+    let t = Instant::now();
+    let r = gw.chat(r#"{"model":"m"}"#);
+    assert_about_one_second(t.elapsed());
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-sluice-provider"), Some("b"));
+    assert_eq!(breaker_failures(&gw, "a"), 1);
+}
+
+#[test]
+fn a_status_outside_http_is_a_transport_failure() {
+    let odd = RawUpstream::start(vec![Step::Write(
+        b"HTTP/1.1 999 Odd\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}".to_vec(),
+    )]);
+    let b = Mock::start_named("b", &[]);
+    let gw = Gateway::start(&config(&odd.base_url(), &b.base_url()), KEY);
+    let r = gw.chat(r#"{"model":"m"}"#);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-sluice-provider"), Some("b"));
+    assert_eq!(odd.calls(), 1);
+    assert_eq!(breaker_failures(&gw, "a"), 1);
+}

@@ -9,6 +9,7 @@
 pub mod resilience;
 
 use crate::engine::Engine;
+use crate::error::AdminError;
 use async_trait::async_trait;
 use http::Response;
 use pingora::apps::http_app::ServeHttp;
@@ -86,47 +87,89 @@ impl AdminApp {
     async fn api(&self, method: &str, path: &str, query: &str, body: &[u8]) -> Response<Vec<u8>> {
         use resilience as r;
         let e = &self.engine;
-        let result: Result<Value, (u16, String)> = match (method, path) {
+        let result: Result<Value, AdminError> = match (method, path) {
             ("GET", "/api/config") => Ok(self.config_status()),
             ("POST", "/api/config/reload") => match e.reload_now("admin") {
                 Ok(generation) => Ok(
                     json!({"ok": true, "generation": generation, "last_reload": e.reload.status()}),
                 ),
-                Err(error) => Err((422, error)),
+                Err(error) => Err(AdminError::Rejected(error)),
             },
             ("GET", "/api/monitoring/health") => Ok(r::health(e)),
             ("GET", "/api/resilience") => Ok(r::settings(e)),
-            ("PATCH", "/api/resilience") => r::patch_settings(e, body).await.map_err(|m| (400, m)),
-            ("POST", "/api/resilience/reset") => r::reset(e, body).await.map_err(|m| (400, m)),
+            ("PATCH", "/api/resilience") => r::patch_settings(e, body).await,
+            ("POST", "/api/resilience/reset") => r::reset(e, body).await,
             ("GET", "/api/resilience/cooldowns") => {
                 Ok(r::cooldowns(e, query_param(query, "provider").as_deref()))
             }
-            ("POST", "/api/resilience/cooldowns") => {
-                r::clear_cooldowns(e, body).await.map_err(|m| (400, m))
-            }
+            ("POST", "/api/resilience/cooldowns") => r::clear_cooldowns(e, body).await,
             ("GET", "/api/resilience/model-cooldowns") => Ok(r::model_cooldowns(e)),
-            ("DELETE", "/api/resilience/model-cooldowns") => r::delete_model_cooldown(e, body)
-                .await
-                .map_err(|m| (400, m)),
+            ("DELETE", "/api/resilience/model-cooldowns") => {
+                r::delete_model_cooldown(e, body).await
+            }
             ("GET", "/api/routes/explain") => match query_param(query, "model") {
-                None => Err((400, "give ?model=NAME".into())),
-                Some(m) => e.explain(&m).ok_or((404, format!("unknown model {m:?}"))),
+                None => Err(AdminError::BadRequest("give ?model=NAME".into())),
+                Some(m) => e
+                    .explain(&m)
+                    .ok_or_else(|| AdminError::NotFound(format!("unknown model {m:?}"))),
             },
-            _ => Err((404, format!("no admin route {method} {path}"))),
+            _ => Err(AdminError::NotFound(format!(
+                "no admin route {method} {path}"
+            ))),
         };
         match result {
             Ok(v) => json_response(200, v),
-            Err((status, message)) => error(
-                status,
-                if status == 404 {
-                    "not_found"
-                } else {
-                    "invalid_request"
-                },
-                &message,
-            ),
+            Err(err) => {
+                let mut resp = error(err.status(), err.code(), &err.to_string());
+                if matches!(err, AdminError::NotPersisted(_)) {
+                    resp.headers_mut()
+                        .insert("retry-after", http::HeaderValue::from_static("1"));
+                }
+                resp
+            }
         }
     }
+}
+
+/// `GET /ready` (SPEC §8): ready while the state store is open (an engine always
+/// serves a validated config generation: it cannot be built without one, and a failed
+/// reload keeps the last good one, shown as `last_reload_ok: false`). A store whose commits are failing still serves from memory, so it is
+/// reported (`store: "failing"`) without taking the node out of rotation; a stopped
+/// writer is not ready. The reasons name what is wrong.
+fn readiness(engine: &Engine) -> (bool, Value) {
+    let snap = engine.snapshot();
+    let last = engine.reload.status();
+    let mut reasons: Vec<String> = Vec::new();
+    let store = match &engine.store {
+        None => json!({"state": "memory"}),
+        Some(w) => {
+            let h = w.health();
+            let state = if h.closed {
+                reasons.push("the state store writer has stopped".into());
+                "closed"
+            } else if h.consecutive_failures > 0 {
+                "failing"
+            } else {
+                "open"
+            };
+            json!({
+                "state": state,
+                "consecutive_failures": h.consecutive_failures,
+                "failed_commits": h.failed_commits,
+            })
+        }
+    };
+    let ready = reasons.is_empty();
+    let details = json!({
+        "ready": ready,
+        "reasons": reasons,
+        "config": {
+            "generation": snap.generation,
+            "last_reload_ok": last.ok,
+        },
+        "store": store,
+    });
+    (ready, details)
 }
 
 /// One query parameter, percent-decoded.
@@ -213,15 +256,8 @@ impl ServeHttp for AdminApp {
         match (method.as_str(), path.as_str()) {
             ("GET", "/health") => json_response(200, json!({"status": "ok"})),
             ("GET", "/ready") => {
-                let store = if self.engine.store.is_some() {
-                    "open"
-                } else {
-                    "memory"
-                };
-                json_response(
-                    200,
-                    json!({"ready": true, "config": "loaded", "store": store}),
-                )
+                let (ready, details) = readiness(&self.engine);
+                json_response(if ready { 200 } else { 503 }, details)
             }
             ("GET", "/metrics") => {
                 let protect = self.engine.snapshot().config.admin.protect_metrics;
@@ -249,6 +285,75 @@ impl ServeHttp for AdminApp {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::testing::{engine_with, FailingStore};
+    use crate::store::StoreWriter;
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    const YAML: &str = "providers:\n  - id: p\n    base_url: \"http://127.0.0.1:9\"\n    api: openai\n    class: local\n    connections: [ { id: c } ]\nmodels:\n  - name: m\n    targets: [ { provider: p, model: u } ]\n";
+
+    #[tokio::test]
+    async fn an_admin_write_the_store_refuses_answers_503_never_200() {
+        let store = FailingStore::new(true);
+        let writer = StoreWriter::spawn(store.clone(), Duration::from_secs(3600));
+        let app = AdminApp::new(engine_with(YAML, Some(writer.clone())));
+        let r = app.api("POST", "/api/resilience/reset", "", b"{}").await;
+        assert_eq!(r.status(), 503);
+        assert_eq!(r.headers()["retry-after"], "1");
+        let body: Value = serde_json::from_slice(r.body()).unwrap();
+        assert_eq!(body["error"]["code"], "state_store_unavailable");
+        assert!(body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("not persisted"));
+        assert!(writer.health().failed_commits >= 1);
+
+        let r = app
+            .api("PATCH", "/api/resilience", "", br#"{"queue.max_depth": 3}"#)
+            .await;
+        assert_eq!(r.status(), 503);
+
+        // Once the store commits again, the same call is a plain 200.
+        store.failing.store(false, Ordering::SeqCst);
+        let r = app.api("POST", "/api/resilience/reset", "", b"{}").await;
+        assert_eq!(r.status(), 200);
+        // A bad request stays a 400, not a store error.
+        let r = app
+            .api("POST", "/api/resilience/reset", "", br#"{"provider":"zz"}"#)
+            .await;
+        assert_eq!(r.status(), 400);
+    }
+
+    #[tokio::test]
+    async fn ready_follows_the_store_writer() {
+        let store = FailingStore::new(false);
+        let writer = StoreWriter::spawn(store.clone(), Duration::from_secs(3600));
+        let engine = engine_with(YAML, Some(writer.clone()));
+        let (ready, details) = readiness(&engine);
+        assert!(ready, "{details}");
+        assert_eq!(details["store"]["state"], "open");
+
+        // Failing commits are reported but keep the node in rotation.
+        store.failing.store(true, Ordering::SeqCst);
+        assert!(writer
+            .commit_now(vec![crate::store::Change::delete(
+                crate::store::Table::Pins,
+                "x"
+            )])
+            .await
+            .is_err());
+        let (ready, details) = readiness(&engine);
+        assert!(ready);
+        assert_eq!(details["store"]["state"], "failing");
+        assert_eq!(details["store"]["consecutive_failures"], 1);
+
+        // A stopped writer is not ready, and says why.
+        let _ = writer.flush().await;
+        let (ready, details) = readiness(&engine);
+        assert!(!ready);
+        assert_eq!(details["store"]["state"], "closed");
+        assert!(details["reasons"][0].as_str().unwrap().contains("stopped"));
+    }
 
     #[test]
     fn query_params_decode() {

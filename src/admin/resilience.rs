@@ -4,6 +4,7 @@
 
 use crate::engine::state::{change, conn_key, lock};
 use crate::engine::Engine;
+use crate::error::AdminError;
 use crate::policy::cooldown::{Cleared, Eligibility};
 use crate::policy::retry_after_secs;
 use crate::policy::timefmt::format_rfc3339;
@@ -11,15 +12,22 @@ use crate::store::{Change, Table};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-async fn persist(engine: &Engine, changes: Vec<Change>) {
+/// Commits an admin change before the call answers; a commit that fails answers 503.
+async fn persist(engine: &Engine, changes: Vec<Change>) -> Result<(), AdminError> {
     if changes.is_empty() {
-        return;
+        return Ok(());
     }
-    if let Some(store) = &engine.store {
-        if let Err(e) = store.commit_now(changes).await {
-            tracing::error!(error = %e, "admin change not persisted");
-        }
-    }
+    let Some(store) = &engine.store else {
+        return Ok(());
+    };
+    store.commit_now(changes).await.map_err(|e| {
+        tracing::error!(error = %e, "admin change not persisted");
+        AdminError::NotPersisted(format!(
+            "applied in memory but not persisted ({}): it is retried in the background and \
+             lost if the process stops first",
+            e.label()
+        ))
+    })
 }
 
 /// `GET /api/monitoring/health`
@@ -78,12 +86,12 @@ struct ResetBody {
 }
 
 /// `POST /api/resilience/reset` — `{}` resets every breaker, `{"provider": "x"}` one.
-pub async fn reset(engine: &Engine, body: &[u8]) -> Result<Value, String> {
+pub async fn reset(engine: &Engine, body: &[u8]) -> Result<Value, AdminError> {
     let req: ResetBody = parse_body(body)?;
     let snap = engine.snapshot();
     if let Some(p) = &req.provider {
         if !snap.config.providers.iter().any(|x| &x.id == p) {
-            return Err(format!("unknown provider {p:?}"));
+            return Err(AdminError::BadRequest(format!("unknown provider {p:?}")));
         }
     }
     let mut reset = Vec::new();
@@ -103,7 +111,7 @@ pub async fn reset(engine: &Engine, body: &[u8]) -> Result<Value, String> {
         changes.push(change(Table::Breakers, &p.id, Some(&*e)));
         reset.push(p.id.clone());
     }
-    persist(engine, changes).await;
+    persist(engine, changes).await?;
     Ok(json!({ "reset": reset }))
 }
 
@@ -156,7 +164,7 @@ struct ClearBody {
 }
 
 /// `POST /api/resilience/cooldowns`
-pub async fn clear_cooldowns(engine: &Engine, body: &[u8]) -> Result<Value, String> {
+pub async fn clear_cooldowns(engine: &Engine, body: &[u8]) -> Result<Value, AdminError> {
     let req: ClearBody = parse_body(body)?;
     let snap = engine.snapshot();
     let mut targets: Vec<(String, String)> = Vec::new();
@@ -164,7 +172,7 @@ pub async fn clear_cooldowns(engine: &Engine, body: &[u8]) -> Result<Value, Stri
         (Some(list), false) => {
             for id in list {
                 let Some((p, c)) = id.split_once('/') else {
-                    return Err(format!("{id:?} is not provider/connection"));
+                    return Err(format!("{id:?} is not provider/connection").into());
                 };
                 if !snap
                     .config
@@ -172,7 +180,7 @@ pub async fn clear_cooldowns(engine: &Engine, body: &[u8]) -> Result<Value, Stri
                     .iter()
                     .any(|x| x.id == p && x.connections.iter().any(|y| y.id == c))
                 {
-                    return Err(format!("unknown connection {id:?}"));
+                    return Err(format!("unknown connection {id:?}").into());
                 }
                 targets.push((p.to_string(), c.to_string()));
             }
@@ -188,10 +196,10 @@ pub async fn clear_cooldowns(engine: &Engine, body: &[u8]) -> Result<Value, Stri
             }
         }
         _ => {
-            return Err(
+            return Err(AdminError::BadRequest(
                 "give either \"connections\": [\"provider/connection\", ...] or \"all\": true"
                     .into(),
-            )
+            ))
         }
     }
     let (mut cleared, mut unchanged, mut skipped, mut lockouts) = (0, 0, 0, 0);
@@ -214,7 +222,7 @@ pub async fn clear_cooldowns(engine: &Engine, body: &[u8]) -> Result<Value, Stri
         lockouts += removed.len();
         changes.extend(removed);
     }
-    persist(engine, changes).await;
+    persist(engine, changes).await?;
     Ok(
         json!({ "cleared": cleared, "unchanged": unchanged, "skipped_terminal": skipped, "lockouts_cleared": lockouts }),
     )
@@ -254,14 +262,14 @@ struct LockoutBody {
 }
 
 /// `DELETE /api/resilience/model-cooldowns`
-pub async fn delete_model_cooldown(engine: &Engine, body: &[u8]) -> Result<Value, String> {
+pub async fn delete_model_cooldown(engine: &Engine, body: &[u8]) -> Result<Value, AdminError> {
     let req: LockoutBody = serde_json::from_slice(body)
         .map_err(|e| format!("body must be {{provider, connection, model}}: {e}"))?;
     let removed = engine
         .tables
         .remove_lockout(&req.provider, &req.connection, &req.model);
     let found = removed.is_some();
-    persist(engine, removed.into_iter().collect()).await;
+    persist(engine, removed.into_iter().collect()).await?;
     Ok(json!({ "removed": found }))
 }
 
@@ -292,7 +300,7 @@ pub fn settings(engine: &Engine) -> Value {
 /// `PATCH /api/resilience`: `{setting: value}` sets runtime overrides (persisted),
 /// `{setting: null}` removes one (for `emergency_fallback`, null is a value: use
 /// `{"emergency_fallback": null}` to turn it off).
-pub async fn patch_settings(engine: &Engine, body: &[u8]) -> Result<Value, String> {
+pub async fn patch_settings(engine: &Engine, body: &[u8]) -> Result<Value, AdminError> {
     let v: Value = serde_json::from_slice(body).map_err(|e| format!("invalid JSON body: {e}"))?;
     let changes = crate::config::settings::validate_patch(&engine.snapshot().config, &v)?;
     let generation = engine.set_overrides(changes).await?;

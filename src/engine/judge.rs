@@ -3,8 +3,10 @@
 //!
 //! Restatement runs first so every consumer — classification, cooldowns, the client —
 //! sees the true, retryable nature of a misstated error. The client-facing
-//! `Retry-After` is normalised to whole seconds: the restatement rule's value, else the
-//! upstream's own hint, else (for 429/503) the cooldown the connection just got.
+//! `Retry-After` is normalised to whole seconds in 1 s – 24 h: the restatement rule's
+//! value, else the upstream's own hint, else (for 429/503, which always carry one) the
+//! cooldown the connection got or already has, the provider's breaker, or 1 s. The
+//! upstream's own header is never passed on as it is.
 
 use super::record::{AttemptInfo, Outcome};
 use super::Engine;
@@ -23,6 +25,14 @@ pub struct Verdict {
     pub retry_after: Option<u64>,
     /// Terminal-state changes to commit before answering.
     pub urgent: Vec<Change>,
+}
+
+/// The longest `Retry-After` a client is told (SPEC §3): a day.
+const MAX_CLIENT_RETRY_AFTER_S: u64 = 86_400;
+
+/// A client's `Retry-After` is whole seconds in `1..=86400`, whatever the upstream said.
+fn clamp_retry_after(secs: u64) -> u64 {
+    secs.clamp(1, MAX_CLIENT_RETRY_AFTER_S)
 }
 
 /// A short, single-line excerpt of an upstream error body for `last_error`.
@@ -80,19 +90,50 @@ impl Engine {
             },
         );
         let retry_after = match (&restated, hint) {
-            (Some(r), _) => Some(r.retry_after_s.max(1)),
-            (None, Some(h)) => Some(h.as_secs_f64().ceil().max(1.0) as u64),
+            (Some(r), _) => Some(r.retry_after_s),
+            (None, Some(h)) => Some(h.as_secs_f64().ceil() as u64),
             (None, None) if matches!(status, 429 | 503) => {
-                rec.cooled_until.map(|u| retry_after_secs(u, now))
+                // No hint: the cooldown this failure set, else the one already running
+                // (a concurrent failure, a bucket mate), else the provider's gate, else 1 s
+                // — a 429/503 always tells the client when to come back.
+                let known = rec
+                    .cooled_until
+                    .or_else(|| self.cooling_until(a, now))
+                    .or_else(|| self.breaker_retry_at(a, now));
+                Some(known.map_or(1, |u| retry_after_secs(u, now)))
             }
             _ => None,
-        };
+        }
+        .map(clamp_retry_after);
         Verdict {
             status,
             class,
             retry_after,
             urgent: rec.urgent,
         }
+    }
+
+    /// The end of the connection's running cooldown, if it is cooling.
+    fn cooling_until(&self, a: &AttemptInfo<'_>, now: crate::policy::Millis) -> Option<u64> {
+        let p = &a.snap.config.providers[a.pick.provider];
+        let e = self
+            .tables
+            .connection_if_any(&p.id, &p.connections[a.pick.connection].id)?;
+        let until = match super::state::lock(&e).state.eligibility(now) {
+            crate::policy::cooldown::Eligibility::Cooling { until } => Some(until),
+            _ => None,
+        };
+        until
+    }
+
+    /// When the provider's breaker admits traffic again, if it is open.
+    fn breaker_retry_at(&self, a: &AttemptInfo<'_>, now: crate::policy::Millis) -> Option<u64> {
+        let bcfg = super::select::breaker_config(a.snap, a.pick.provider);
+        let e = self
+            .tables
+            .provider_if_any(&a.snap.config.providers[a.pick.provider].id)?;
+        let retry_at = super::state::lock(&e).breaker.retry_at(&bcfg, now);
+        retry_at
     }
 
     pub fn judge_transport(
@@ -127,5 +168,17 @@ impl Engine {
             retry_after: None,
             urgent: rec.urgent,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::clamp_retry_after;
+
+    #[test]
+    fn client_retry_after_is_clamped_to_a_second_and_a_day() {
+        assert_eq!(clamp_retry_after(0), 1);
+        assert_eq!(clamp_retry_after(30), 30);
+        assert_eq!(clamp_retry_after(343_611_483), 86_400);
     }
 }

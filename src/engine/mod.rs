@@ -15,6 +15,8 @@ pub mod select;
 pub mod sessions;
 pub mod settle;
 pub mod state;
+#[cfg(test)]
+pub mod testing;
 
 use crate::clock::Clock;
 use crate::config::settings::Sources;
@@ -508,20 +510,9 @@ pub fn client_allows(client: Option<&Client>, provider: &str, connection: &str) 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clock::ManualClock;
-    use crate::config::parse_str;
-    use std::path::Path;
 
     fn engine(yaml: &str) -> Arc<Engine> {
-        let loaded = parse_str(yaml, "t.yaml", Path::new("."), &|_| None).unwrap();
-        let snap = Snapshot::new(loaded.config, Arc::new(RuleSet::empty()), 1);
-        Engine::new(
-            snap,
-            Metrics::new().unwrap(),
-            None,
-            Arc::new(ManualClock::new(1_700_000_000_000)),
-            None,
-        )
+        testing::engine_with(yaml, None)
     }
 
     const CAP_ONE: &str = "providers:\n  - id: p\n    base_url: \"http://127.0.0.1:9\"\n    api: openai\n    class: local\n    connections:\n      - { id: c, max_concurrent: 1 }\nmodels:\n  - name: m\n    targets: [ { provider: p, model: u } ]\n";
@@ -553,6 +544,52 @@ mod tests {
             // One gets the only permit, the other must be told to queue, never "nothing runs".
             assert_eq!((picked, full), (1, 1));
         }
+    }
+
+    #[test]
+    fn an_open_breaker_is_reported_even_when_the_connection_also_cools() {
+        let e = engine(CAP_ONE);
+        let snap = e.snapshot();
+        let now = e.now();
+        let bcfg = breaker_config(&snap, 0);
+        {
+            let entry = e.tables.provider("p");
+            let mut p = lock(&entry);
+            // class local: OPEN after 2 failures, half-open 15 s later.
+            p.breaker.record(&bcfg, true, false, now);
+            p.breaker.record(&bcfg, true, false, now);
+        }
+        {
+            let pick = Pick {
+                target: 0,
+                provider: 0,
+                connection: 0,
+            };
+            let ccfg = e.cooldown_config(&snap, pick);
+            let entry = e.tables.connection("p", "c");
+            let failure = crate::policy::cooldown::Failure {
+                attempt_started: now,
+                reason: crate::policy::Reason::RateLimitExceeded,
+                status: Some(429),
+                hint: Some(std::time::Duration::from_secs(2)),
+                rule_cooldown: None,
+                terminal: None,
+                message: "slow down",
+            };
+            lock(&entry).state.record_failure(&failure, &ccfg, now);
+        }
+        let tried = Tried::default();
+        let asker = Asker {
+            client: None,
+            lease: None,
+            tried: &tried,
+        };
+        let eval = select::evaluate(&e, &snap, 0, Family::OpenAi, &asker, now);
+        assert!(eval.runnable.is_empty());
+        assert_eq!(eval.excluded.len(), 1);
+        let x = &eval.excluded[0];
+        assert_eq!(x.reason, select::ExclusionReason::CircuitOpen);
+        assert_eq!(x.until, Some(now + 15_000));
     }
 
     #[test]

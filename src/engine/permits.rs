@@ -110,14 +110,16 @@ impl Permits {
     }
 
     /// Waits (FIFO per semaphore) for the permits of `l`; cancel-safe: dropping the
-    /// future leaves the queue without taking anything.
+    /// future leaves the queue without taking anything. The narrower model permit is
+    /// taken first: a request waiting for its model's cap must not sit on a connection
+    /// permit meanwhile, or it would starve every other model of that connection.
     pub async fn acquire(&self, l: &Limits) -> Option<PermitGuard> {
         let mut held = Vec::with_capacity(2);
-        if let Some(n) = l.conn_limit {
-            held.push(self.semaphore(&l.conn_key, n).acquire_owned().await.ok()?);
-        }
         if let Some((k, n)) = &l.model {
             held.push(self.semaphore(k, *n).acquire_owned().await.ok()?);
+        }
+        if let Some(n) = l.conn_limit {
+            held.push(self.semaphore(&l.conn_key, n).acquire_owned().await.ok()?);
         }
         Some(self.guard(l, held))
     }
@@ -187,6 +189,30 @@ mod tests {
             p.try_acquire(&other).is_some(),
             "other models still fit the connection cap"
         );
+    }
+
+    #[tokio::test]
+    async fn a_model_waiter_holds_no_connection_permit() {
+        let p = Arc::new(Permits::default());
+        let l = limits(Some(2), Some(1));
+        let running = p.try_acquire(&l).unwrap();
+        let (pt, lw) = (p.clone(), l.clone());
+        let waiter = tokio::spawn(async move { pt.acquire(&lw).await.map(drop) });
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        // The connection's second slot is still free for another model.
+        let other = Limits {
+            model: None,
+            ..l.clone()
+        };
+        let o = p.try_acquire(&other);
+        assert!(
+            o.is_some(),
+            "the model waiter took the connection's last permit"
+        );
+        drop((o, running));
+        waiter.await.unwrap().unwrap();
     }
 
     #[test]

@@ -11,6 +11,7 @@ use super::state::{change, lock};
 use super::{fingerprint, BaseConfig, Engine, Snapshot};
 use crate::config::settings;
 use crate::config::{self, Problem};
+use crate::error::AdminError;
 use crate::policy::cooldown::Cleared;
 use crate::policy::Millis;
 use crate::rules::RuleSet;
@@ -171,12 +172,14 @@ impl Engine {
     pub async fn set_overrides(
         &self,
         changes: BTreeMap<String, Option<serde_json::Value>>,
-    ) -> Result<u64, String> {
+    ) -> Result<u64, AdminError> {
         let (snapshot, persisted) = {
             let _one_at_a_time = lock(&self.reload.running);
             let old = self.snapshot();
             let Some(base) = old.base.clone() else {
-                return Err("this engine has no base config to layer overrides on".into());
+                return Err(AdminError::Rejected(
+                    "this engine has no base config to layer overrides on".into(),
+                ));
             };
             let mut next = lock(&self.overrides).clone();
             for (k, v) in &changes {
@@ -187,7 +190,7 @@ impl Engine {
             }
             let mut cfg = base.config.clone();
             let sources = settings::resolve(&mut cfg, &base.text, &env_lookup, &next)
-                .map_err(|p| render(&p))?;
+                .map_err(|p| AdminError::BadRequest(render(&p)))?;
             let generation = old.generation + 1;
             self.swap(Snapshot::layered(
                 cfg,
@@ -208,10 +211,13 @@ impl Engine {
             (generation, persisted)
         };
         if let Some(store) = &self.store {
-            store
-                .commit_now(persisted)
-                .await
-                .map_err(|e| format!("override applied but not persisted: {e}"))?;
+            store.commit_now(persisted).await.map_err(|e| {
+                AdminError::NotPersisted(format!(
+                    "override applied but not persisted ({}): it is retried in the \
+                         background and lost if the process stops first",
+                    e.label()
+                ))
+            })?;
         }
         Ok(snapshot)
     }

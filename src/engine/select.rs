@@ -3,11 +3,14 @@
 //! the breaker permit.
 //!
 //! Reads are lazy (`peek`, `eligibility`, `active`): nothing here needs a timer to make
-//! a provider or connection eligible again. Exclusions are checked from the broadest
-//! fact to the narrowest (terminal, cooldown, breaker, window gate, lockout), then the
-//! session layers (a foreign lease), then capacity (no free permit): so `lease_held`
-//! and `concurrency_full` only ever mark candidates that are otherwise runnable, which
-//! is what lease contention and queueing need to know. Only the chosen provider's
+//! a provider or connection eligible again. Exclusions are checked from the most
+//! permanent fact to the most transient: a terminal connection, then the provider's
+//! gates (breaker, window gate — reported even when the connection is also cooling, so
+//! the combo wait never mistakes a failing provider for a rate limit), then the later
+//! of the connection cooldown and a model lockout, then the session layers (a foreign
+//! lease), then capacity (no free permit): so `lease_held` and `concurrency_full` only
+//! ever mark candidates that are otherwise runnable, which is what lease contention
+//! and queueing need to know. Only the chosen provider's
 //! breaker is asked for a real permit, so a HALF_OPEN provider hands out one probe.
 
 use super::permits::Limits;
@@ -154,30 +157,21 @@ pub fn evaluate(
                     .push(excluded(ExclusionReason::AlreadyTried, None, None, None));
                 continue;
             }
-            if let Some(e) = tables.connection_by_key(key) {
+            let conn_state = tables.connection_by_key(key).map(|e| {
                 let e = lock(&e);
-                match e.state.eligibility(now) {
-                    Eligibility::Eligible => {}
-                    Eligibility::Terminal(s) => {
-                        out.excluded.push(excluded(
-                            ExclusionReason::Terminal,
-                            None,
-                            Some(s.as_str()),
-                            e.state.last_error_reason,
-                        ));
-                        continue;
-                    }
-                    Eligibility::Cooling { until } => {
-                        out.excluded.push(excluded(
-                            ExclusionReason::ConnectionCooldown,
-                            Some(until),
-                            None,
-                            e.state.last_error_reason,
-                        ));
-                        continue;
-                    }
-                }
+                (e.state.eligibility(now), e.state.last_error_reason)
+            });
+            if let Some((Eligibility::Terminal(s), cause)) = conn_state {
+                out.excluded.push(excluded(
+                    ExclusionReason::Terminal,
+                    None,
+                    Some(s.as_str()),
+                    cause,
+                ));
+                continue;
             }
+            // A failing provider is reported as such even when its connection is also
+            // cooling: a breaker or window gate is never a timer to wait out (§5.8).
             if let Permit::Deny { retry_at } = permit {
                 out.excluded.push(excluded(
                     ExclusionReason::CircuitOpen,
@@ -196,16 +190,28 @@ pub fn evaluate(
                 ));
                 continue;
             }
-            if cfg.resilience.model_lockout.enabled {
-                if let Some((until, reason)) = tables.active_lockout(&p.id, &c.id, names, now) {
-                    out.excluded.push(excluded(
-                        ExclusionReason::ModelLockout,
-                        Some(until),
-                        None,
-                        reason,
-                    ));
-                    continue;
+            let cooling = match conn_state {
+                Some((Eligibility::Cooling { until }, cause)) => {
+                    Some((ExclusionReason::ConnectionCooldown, until, cause))
                 }
+                _ => None,
+            };
+            let locked = if cfg.resilience.model_lockout.enabled {
+                tables
+                    .active_lockout(&p.id, &c.id, names, now)
+                    .map(|(until, cause)| (ExclusionReason::ModelLockout, until, cause))
+            } else {
+                None
+            };
+            // Both timers hold the candidate: it comes back when the later one ends.
+            let timer = match (cooling, locked) {
+                (Some(a), Some(b)) => Some(if b.1 > a.1 { b } else { a }),
+                (a, b) => a.or(b),
+            };
+            if let Some((reason, until, cause)) = timer {
+                out.excluded
+                    .push(excluded(reason, Some(until), None, cause));
+                continue;
             }
             if tried.connections.contains(&(t.provider, ci)) || tried.targets.contains(&ti) {
                 out.excluded

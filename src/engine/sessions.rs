@@ -2,8 +2,10 @@
 //! §5.6), affinity pins (§5.5), and the latency / rate-limit signals the load-aware
 //! strategies read (§5.12).
 //!
-//! Lease changes are committed to the store before the caller answers (durable first);
-//! pin changes go through the batched writer. Only owner-token hashes and hashed
+//! Lease changes are committed to the store before the caller answers (durable first):
+//! an acquire whose commit fails is taken back, and a renew or release whose commit fails
+//! is reported as a failure (the change stays queued), so a client is never told "done"
+//! about a lease change a restart would forget. Pin changes go through the batched writer. Only owner-token hashes and hashed
 //! session keys are ever stored.
 
 use super::select::breaker_config;
@@ -16,7 +18,7 @@ use crate::policy::cooldown::Eligibility;
 use crate::policy::lease::{Lease, LeaseError};
 use crate::policy::Millis;
 use crate::routing::parse_rate_limit;
-use crate::store::{Change, Image, Table};
+use crate::store::{Change, Image, StoreError, Table};
 use std::time::Duration;
 
 /// Why none of a client's connections can be leased right now.
@@ -26,6 +28,16 @@ pub enum LeaseRefusal {
     NoneEligible {
         retry_at: Option<Millis>,
     },
+    /// The lease could not be made durable; it was taken back (SPEC §5.6: durable first).
+    Store(StoreError),
+}
+
+/// Why a renew or release did not succeed.
+pub enum LeaseFailure {
+    Lease(LeaseError),
+    /// Done in memory but not durable: the client must not be told it succeeded. The
+    /// change stays queued and is retried.
+    Store(StoreError),
 }
 
 impl Engine {
@@ -94,12 +106,13 @@ impl Engine {
         out
     }
 
-    async fn commit_leases(&self, removed: &[String]) {
+    async fn commit_leases(&self, removed: &[String]) -> Result<(), StoreError> {
         let changes = self.lease_changes(removed);
-        if let Some(store) = &self.store {
-            if let Err(e) = store.commit_now(changes).await {
+        match &self.store {
+            Some(store) => store.commit_now(changes).await.inspect_err(|e| {
                 tracing::error!(error = %e, "lease change not persisted");
-            }
+            }),
+            None => Ok(()),
         }
     }
 
@@ -120,10 +133,19 @@ impl Engine {
                 .map(|ok| (ok, pruned))
         };
         match result {
-            Ok((granted, pruned)) => {
-                self.commit_leases(&pruned).await;
-                Ok(granted)
-            }
+            Ok(((token, lease), pruned)) => match self.commit_leases(&pruned).await {
+                Ok(()) => Ok((token, lease)),
+                Err(e) => {
+                    // Not durable, so not granted: take it back and queue the undo (the
+                    // failed commit stays queued and could otherwise land later).
+                    let _ = lock(&self.leases).release(&client.id, &token, self.now());
+                    let undo = self.lease_changes(std::slice::from_ref(&lease.owner_hash));
+                    if let Some(store) = &self.store {
+                        store.submit(undo);
+                    }
+                    Err(LeaseRefusal::Store(e))
+                }
+            },
             Err(LeaseError::NoneEligible) => Err(LeaseRefusal::NoneEligible { retry_at: soonest }),
             Err(e) => Err(LeaseRefusal::Lease(e)),
         }
@@ -134,18 +156,23 @@ impl Engine {
         client: &Client,
         owner: &str,
         ttl: Option<Duration>,
-    ) -> Result<Lease, LeaseError> {
+    ) -> Result<Lease, LeaseFailure> {
         let now = self.now();
-        let lease = lock(&self.leases).renew(&client.id, owner, ttl, now)?;
-        self.commit_leases(&[]).await;
+        let lease = lock(&self.leases)
+            .renew(&client.id, owner, ttl, now)
+            .map_err(LeaseFailure::Lease)?;
+        self.commit_leases(&[]).await.map_err(LeaseFailure::Store)?;
         Ok(lease)
     }
 
-    pub async fn lease_release(&self, client: &Client, owner: &str) -> Result<Lease, LeaseError> {
+    pub async fn lease_release(&self, client: &Client, owner: &str) -> Result<Lease, LeaseFailure> {
         let now = self.now();
-        let lease = lock(&self.leases).release(&client.id, owner, now)?;
+        let lease = lock(&self.leases)
+            .release(&client.id, owner, now)
+            .map_err(LeaseFailure::Lease)?;
         self.commit_leases(std::slice::from_ref(&lease.owner_hash))
-            .await;
+            .await
+            .map_err(LeaseFailure::Store)?;
         Ok(lease)
     }
 
@@ -174,7 +201,8 @@ impl Engine {
         let moved = lock(&self.leases).relocate(&lease.owner_hash, &eligible, now)?;
         if moved.connection != lease.connection {
             tracing::info!(client = %client.id, from = %lease.connection, to = %moved.connection, "lease moved");
-            self.commit_leases(&[]).await;
+            // The request goes on either way; a failed commit stays queued and is retried.
+            let _ = self.commit_leases(&[]).await;
         }
         Some(moved)
     }
@@ -256,5 +284,58 @@ impl Engine {
     /// Runtime overrides persisted in the store.
     pub fn overrides_from(image: &Image) -> std::collections::BTreeMap<String, serde_json::Value> {
         image.get(&Table::Overrides).cloned().unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::testing::{engine_with, FailingStore};
+    use crate::store::{StateStore, StoreWriter};
+    use std::sync::atomic::Ordering;
+
+    const YAML: &str = "clients:\n  - id: team\n    key_sha256: \"0000000000000000000000000000000000000000000000000000000000000000\"\n    scopes: [\"lease:exclusive\"]\n    allowed_connections: [\"p/c\"]\nproviders:\n  - id: p\n    base_url: \"http://127.0.0.1:9\"\n    api: openai\n    class: local\n    connections: [ { id: c } ]\nmodels:\n  - name: m\n    targets: [ { provider: p, model: u } ]\n";
+
+    #[tokio::test]
+    async fn a_lease_the_store_refuses_is_not_granted() {
+        let store = FailingStore::new(true);
+        let writer = StoreWriter::spawn(store.clone(), std::time::Duration::from_secs(3600));
+        let engine = engine_with(YAML, Some(writer.clone()));
+        let snap = engine.snapshot();
+        let client = snap.config.clients.as_ref().unwrap()[0].clone();
+        match engine.lease_acquire(&snap, &client, None).await {
+            Err(LeaseRefusal::Store(e)) => assert_eq!(e.label(), "io"),
+            _ => panic!("a lease that is not durable must not be granted"),
+        }
+        // Taken back: the connection is free, nothing is held in memory.
+        assert_eq!(lock(&engine.leases).active_count(engine.now()), 0);
+
+        // The store heals: the queued undo wins over the failed grant, and a new
+        // acquire is durable.
+        store.failing.store(false, Ordering::SeqCst);
+        let (token, lease) = match engine.lease_acquire(&snap, &client, None).await {
+            Ok(x) => x,
+            Err(_) => panic!("acquire after the store healed"),
+        };
+        let stored = store.load().unwrap()[&Table::Leases].clone();
+        assert!(stored.contains_key(&lease.owner_hash));
+        assert_eq!(
+            stored.keys().filter(|k| k.len() == 64).count(),
+            1,
+            "only the granted lease is stored: {stored:?}"
+        );
+
+        // Renew and release whose commit fails are failures, never a silent success.
+        store.failing.store(true, Ordering::SeqCst);
+        assert!(matches!(
+            engine.lease_renew(&client, &token, None).await,
+            Err(LeaseFailure::Store(_))
+        ));
+        assert!(matches!(
+            engine.lease_release(&client, &token).await,
+            Err(LeaseFailure::Store(_))
+        ));
+        // At least the three refused commits (the writer's own tick may add retries).
+        assert!(writer.health().failed_commits >= 3);
     }
 }

@@ -270,12 +270,14 @@ impl Failover {
                 let latest = self.latest_wait_end();
                 let by_queue = now.saturating_add(ms(self.limits.queue_wait));
                 if latest <= now {
-                    return self.queue_refusal(ErrorCode::QueueTimeout);
+                    return self.queue_refusal(ErrorCode::QueueTimeout, now);
                 }
+                // The wait never runs into the reserve; failing open then still leaves
+                // the attempt that budget (a fail-open gateway is never turned into a
+                // fail-closed one by a short execution timeout).
                 Next::Queue {
                     until: by_queue.min(latest),
-                    // Going ahead without a permit only makes sense with budget left.
-                    fail_open: self.limits.fail_open && by_queue <= latest,
+                    fail_open: self.limits.fail_open,
                 }
             }
             Offer::Empty(excluded) => self.nothing_runnable(excluded, now),
@@ -289,7 +291,7 @@ impl Failover {
             Queued::NotRunnable => {
                 self.requeues += 1;
                 if self.requeues > MAX_REQUEUES {
-                    self.queue_refusal(ErrorCode::QueueTimeout)
+                    self.queue_refusal(ErrorCode::QueueTimeout, now)
                 } else {
                     Next::Select
                 }
@@ -298,8 +300,8 @@ impl Failover {
                 self.tried.providers.push(provider);
                 Next::Select
             }
-            Queued::Full => self.queue_refusal(ErrorCode::QueueFull),
-            Queued::TimedOut => self.queue_refusal(ErrorCode::QueueTimeout),
+            Queued::Full => self.queue_refusal(ErrorCode::QueueFull, now),
+            Queued::TimedOut => self.queue_refusal(ErrorCode::QueueTimeout, now),
         }
     }
 
@@ -373,7 +375,12 @@ impl Failover {
         }))
     }
 
-    fn queue_refusal(&self, code: ErrorCode) -> Next {
+    /// The queue refused: a queue error, unless earlier attempts earned a better answer
+    /// (an upstream error to pass through, or the transport failures they met).
+    fn queue_refusal(&mut self, code: ErrorCode, now: Millis) -> Next {
+        if self.held || self.transport > 0 {
+            return self.give_up(&[], None, now);
+        }
         Next::Answer(Answer::Refuse(Refusal::new(code).retry_in(1)))
     }
 
@@ -856,13 +863,14 @@ mod tests {
                 fail_open: true
             }
         );
-        // The budget binds first: wait until the reserve, and never fail open into it.
+        // The budget binds first: wait until the reserve, then still fail open (the
+        // attempt keeps the reserve).
         let mut f = with(|l| l.deadline = T0 + 10 * SEC);
         assert_eq!(
             f.on_offer(Offer::Full, T0),
             Next::Queue {
                 until: T0 + 9 * SEC,
-                fail_open: false
+                fail_open: true
             }
         );
         // No budget left for a wait: 503 at once.
@@ -902,6 +910,34 @@ mod tests {
         assert_eq!((r.code, r.retry_after), (ErrorCode::QueueFull, Some(1)));
         let r = refusal(f.on_queued(Queued::TimedOut, T0));
         assert_eq!(r.code, ErrorCode::QueueTimeout);
+    }
+
+    #[test]
+    fn a_queue_refusal_never_hides_what_earlier_attempts_earned() {
+        // An upstream error held from attempt 1 is passed through, not a queue error.
+        let mut f = Failover::new(limits());
+        attempt(&mut f, pick(0, 0));
+        let refused = Ended::Refused {
+            pick: pick(0, 0),
+            retryable: true,
+            scope: Scope::Provider,
+        };
+        assert_eq!(f.on_ended(refused, T0), Next::Select);
+        assert_eq!(
+            f.on_queued(Queued::TimedOut, T0),
+            Next::Answer(Answer::PassThrough)
+        );
+        // A hung attempt 1 then a full queue: 504 upstream_timeout with the attempts.
+        let mut f = Failover::new(limits());
+        attempt(&mut f, pick(0, 0));
+        let hung = Ended::Transport {
+            pick: pick(0, 0),
+            timed_out: true,
+        };
+        assert_eq!(f.on_ended(hung, T0), Next::Select);
+        let r = refusal(f.on_queued(Queued::Full, T0));
+        assert_eq!(r.code, ErrorCode::UpstreamTimeout);
+        assert!(r.with_attempts);
     }
 
     #[test]

@@ -28,6 +28,8 @@ use std::time::{Duration, Instant};
 const ERROR_BODY_LIMIT: usize = 64 * 1024;
 pub(super) const POOL_IDLE: Duration = Duration::from_secs(90);
 const WRITE_TIMEOUT: Duration = Duration::from_secs(60);
+/// The upstream connection broke (write or read error) before a whole response header.
+const CONN_FAILED: &str = "upstream connection failed";
 
 /// An upstream error response held back (≤ 64 KiB) while failover is still possible.
 pub(super) struct HeldError {
@@ -124,11 +126,24 @@ async fn phases(
     call: &Call<'_, '_>,
     ctx: &mut RequestCtx,
 ) -> Result<AttemptEnd, AttemptEnd> {
-    let (mut up, peer) = connect(session, watch, call).await?;
-    let sent_at = Instant::now();
-    let first_byte_by =
-        (sent_at + call.req.snap.config.resilience.stream.ttft_timeout).min(call.deadline);
-    let header = send(session, watch, call, &mut up, first_byte_by).await?;
+    let (mut up, peer, reused) = connect(session, watch, call).await?;
+    let mut sent_at = Instant::now();
+    let ttft = call.req.snap.config.resilience.stream.ttft_timeout;
+    let mut first_byte_by = (sent_at + ttft).min(call.deadline);
+    let header = match send(session, watch, call, &mut up, first_byte_by).await {
+        // A pooled connection the upstream closed while it sat idle fails before any
+        // byte of an answer: that says nothing about the provider, so the request goes
+        // once more, on the next connection the connector gives (pooled or new), within
+        // the same attempt. Only once: a second failure is the provider's.
+        Err(AttemptEnd::Transport(TransportKind::Reset, what)) if reused && what == CONN_FAILED => {
+            let got = call.req.engine.connector.get_http_session(&peer);
+            up = session_of(watch.race(session, call.left(), got).await)?.0;
+            sent_at = Instant::now();
+            first_byte_by = (sent_at + ttft).min(call.deadline);
+            send(session, watch, call, &mut up, first_byte_by).await?
+        }
+        other => other?,
+    };
     if header.status.as_u16() >= 400 {
         return Ok(hold_error(session, watch, call, up, peer, header).await);
     }
@@ -144,12 +159,13 @@ async fn phases(
     Ok(commit(session, ctx, committed).await)
 }
 
-/// select → connect: DNS (cached, async) and a pooled or new upstream connection.
+/// select → connect: DNS (cached, async) and a pooled or new upstream connection
+/// (`true` when it came from the pool).
 async fn connect(
     session: &mut Session,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
-) -> Result<(HttpSession, HttpPeer), AttemptEnd> {
+) -> Result<(HttpSession, HttpPeer, bool), AttemptEnd> {
     let engine = call.req.engine;
     let p = &call.req.snap.config.providers[call.pick.provider];
     let lookup = engine
@@ -171,15 +187,16 @@ async fn connect(
     peer.options.total_connection_timeout = Some(p.connect_timeout * 2);
     peer.options.idle_timeout = Some(POOL_IDLE);
     peer.options.write_timeout = Some(WRITE_TIMEOUT);
-    match watch
-        .race(
-            session,
-            call.left(),
-            engine.connector.get_http_session(&peer),
-        )
-        .await
-    {
-        Wait::Ready(Ok((up, _reused))) => Ok((up, peer)),
+    let got = engine.connector.get_http_session(&peer);
+    let (up, reused) = session_of(watch.race(session, call.left(), got).await)?;
+    Ok((up, peer, reused))
+}
+
+fn session_of(
+    w: Wait<pingora::Result<(HttpSession, bool)>>,
+) -> Result<(HttpSession, bool), AttemptEnd> {
+    match w {
+        Wait::Ready(Ok(got)) => Ok(got),
         Wait::Ready(Err(_)) => Err(AttemptEnd::Transport(
             TransportKind::Connect,
             "connect failed",
@@ -230,18 +247,23 @@ async fn send(
     match watch.race(session, limit, exchange).await {
         Wait::Ready(Ok(())) => {}
         Wait::Ready(Err(_)) => {
-            return Err(AttemptEnd::Transport(
-                TransportKind::Reset,
-                "upstream connection failed",
-            ))
+            return Err(AttemptEnd::Transport(TransportKind::Reset, CONN_FAILED))
         }
         Wait::TimedOut => return Err(call.timed_out()),
         Wait::ClientGone => return Err(AttemptEnd::ClientGone),
     }
-    up.response_header().cloned().ok_or(AttemptEnd::Transport(
-        TransportKind::Reset,
-        "upstream connection failed",
-    ))
+    let header = up
+        .response_header()
+        .cloned()
+        .ok_or(AttemptEnd::Transport(TransportKind::Reset, CONN_FAILED))?;
+    // `http` accepts 100..=999; anything past 599 is not HTTP an upstream may answer.
+    if header.status.as_u16() > 599 {
+        return Err(AttemptEnd::Transport(
+            TransportKind::Reset,
+            "invalid upstream status",
+        ));
+    }
+    Ok(header)
 }
 
 /// Response-header phase of an error: read (bounded) and hold it, never commit it.
@@ -255,9 +277,11 @@ async fn hold_error(
 ) -> AttemptEnd {
     let mut buf = BytesMut::new();
     let mut complete = false;
+    // The header came in time; its body gets a first-byte budget of its own, so an
+    // upstream that stops after an error header costs `ttft_timeout`, not `stall_timeout`.
     let limit = call
         .left()
-        .min(call.req.snap.config.resilience.stream.stall_timeout);
+        .min(call.req.snap.config.resilience.stream.ttft_timeout);
     let read = async {
         while buf.len() < ERROR_BODY_LIMIT {
             match up.read_response_body().await {

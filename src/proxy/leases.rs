@@ -1,19 +1,21 @@
 //! `POST /api/v1/session-leases` (SPEC §5.6): acquire, renew and release an exclusive
 //! session lease. Only client keys with the `lease:exclusive` scope and a non-empty
 //! `allowed_connections` list may hold leases. Every change is durable before the
-//! response; the owner token appears once, in the acquire response, and only its hash
+//! response (a change the store did not accept answers 503 `state_store_unavailable`,
+//! never 200); the owner token appears once, in the acquire response, and only its hash
 //! is kept.
 
 use super::admit::read_body;
 use super::{respond, RequestCtx};
 use crate::codes::ErrorCode;
 use crate::config::{Client, Family};
-use crate::engine::sessions::LeaseRefusal;
+use crate::engine::sessions::{LeaseFailure, LeaseRefusal};
 use crate::engine::{Engine, Snapshot};
 use crate::error::ClientError;
 use crate::policy::lease::{Lease, LeaseError};
-use crate::policy::retry_after_secs;
 use crate::policy::timefmt::format_rfc3339;
+use crate::policy::{retry_after_secs, Millis};
+use crate::store::StoreError;
 use pingora::proxy::Session;
 use serde::Deserialize;
 use serde_json::json;
@@ -152,19 +154,40 @@ async fn run(
             Err(LeaseRefusal::NoneEligible { retry_at: None }) => {
                 Err(lease_error(LeaseError::NoneEligible, now))
             }
+            Err(LeaseRefusal::Store(e)) => Err(store_error("acquire", &e)),
         },
         "renew" => engine
             .lease_renew(client, owner()?, ttl)
             .await
             .map(|l| lease_json(&l, None))
-            .map_err(|e| lease_error(e, now)),
+            .map_err(|e| failure("renew", e, now)),
         "release" => engine
             .lease_release(client, owner()?)
             .await
             .map(|l| json!({"released": true, "connection": l.connection}))
-            .map_err(|e| lease_error(e, now)),
+            .map_err(|e| failure("release", e, now)),
         other => Err(ClientError::invalid_request(format!(
             "unknown action {other:?}; expected acquire, renew or release"
         ))),
     }
+}
+
+fn failure(action: &str, f: LeaseFailure, now: Millis) -> ClientError {
+    match f {
+        LeaseFailure::Lease(e) => lease_error(e, now),
+        LeaseFailure::Store(e) => store_error(action, &e),
+    }
+}
+
+/// A lease change the store did not accept: 503, retryable, never a 200.
+fn store_error(action: &str, e: &StoreError) -> ClientError {
+    let mut err = ClientError::new(
+        ErrorCode::StateStoreUnavailable,
+        format!(
+            "the lease {action} could not be made durable ({}); retry shortly",
+            e.label()
+        ),
+    );
+    err.retry_after = Some(1);
+    err
 }

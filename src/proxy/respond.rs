@@ -204,6 +204,9 @@ pub(super) async fn pass_through(
     h.remove_header("transfer-encoding");
     h.remove_header("content-encoding");
     h.insert_header("content-length", err.body.len())?;
+    // The upstream's own value may be a date, a fraction, 0 or a year: only the
+    // normalised one is passed on.
+    h.remove_header("retry-after");
     if let Some(secs) = v.retry_after {
         h.insert_header("retry-after", secs.to_string())?;
     }

@@ -21,16 +21,29 @@ pub struct SseProgress {
     partial: Vec<u8>,
     has_data: bool,
     is_ping: bool,
+    /// The last chunk ended in CR: a LF starting the next one ends the same line.
+    after_cr: bool,
 }
 
 impl SseProgress {
     /// Feeds one upstream chunk; returns true when at least one content event completed.
+    /// Lines end in LF, CRLF or a bare CR (all three are valid SSE).
     pub fn feed(&mut self, chunk: &[u8]) -> bool {
         let mut progress = false;
         let mut rest = chunk;
-        while let Some(nl) = rest.iter().position(|b| *b == b'\n') {
-            let (line, tail) = rest.split_at(nl);
+        if self.after_cr && !rest.is_empty() {
+            rest = rest.strip_prefix(b"\n").unwrap_or(rest);
+            self.after_cr = false;
+        }
+        while let Some(end) = rest.iter().position(|b| *b == b'\n' || *b == b'\r') {
+            let (line, tail) = rest.split_at(end);
             rest = &tail[1..];
+            if tail[0] == b'\r' {
+                match rest.strip_prefix(b"\n") {
+                    Some(r) => rest = r,
+                    None => self.after_cr = rest.is_empty(),
+                }
+            }
             let complete: &[u8] = if self.partial.is_empty() {
                 line
             } else {
@@ -39,7 +52,6 @@ impl SseProgress {
                     .extend_from_slice(&line[..line.len().min(room)]);
                 &self.partial
             };
-            let complete = complete.strip_suffix(b"\r").unwrap_or(complete);
             if complete.is_empty() {
                 if self.has_data && !self.is_ping {
                     progress = true;
@@ -337,6 +349,21 @@ mod tests {
         assert!(!p.feed(b"eve"));
         assert!(!p.feed(b"nt: pi"));
         assert!(!p.feed(b"ng\ndata: {}\n\n"));
+    }
+
+    #[test]
+    fn bare_cr_and_crlf_split_across_chunks_end_lines_once() {
+        let mut p = SseProgress::default();
+        assert!(p.feed(b"data: {\"a\":1}\r\r"));
+        assert!(!p.feed(b": comment\r\r"));
+        assert!(!p.feed(b"event: ping\rdata: {}\r\r"));
+        // A CRLF split after its CR: the LF is the same line end, not a blank line.
+        assert!(!p.feed(b"data: x\r"));
+        assert!(!p.feed(b"\n"));
+        assert!(p.feed(b"\r\n"));
+        assert!(!p.feed(b"data: y\r"));
+        assert!(!p.feed(b""));
+        assert!(p.feed(b"\n\n"));
     }
 
     #[test]

@@ -13,7 +13,8 @@
 
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
@@ -35,11 +36,42 @@ enum Msg {
     Flush(Reply),
 }
 
+/// A callback told of every failed commit (the gateway counts them in a metric).
+type FailureHook = Box<dyn Fn(&StoreError) + Send + Sync>;
+
+/// How the writer's commits are going, shared between the loop and every handle.
+#[derive(Default)]
+struct Health {
+    failed_commits: AtomicU64,
+    consecutive_failures: AtomicU32,
+    on_failure: OnceLock<FailureHook>,
+}
+
+/// What [`StoreWriter::health`] reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WriterHealth {
+    /// Failed commits since start (each retry of a failing batch counts).
+    pub failed_commits: u64,
+    /// Failed commits since the last one that succeeded (0 = healthy).
+    pub consecutive_failures: u32,
+    /// The writer has stopped: nothing more will be committed.
+    pub closed: bool,
+}
+
 /// A handle to the background writer. Cheap to clone; the writer stops once `flush`
 /// is called or every handle is dropped (after a last commit of what is pending).
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct StoreWriter {
     tx: mpsc::UnboundedSender<Msg>,
+    health: Arc<Health>,
+}
+
+impl std::fmt::Debug for StoreWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreWriter")
+            .field("health", &self.health())
+            .finish()
+    }
 }
 
 impl StoreWriter {
@@ -51,8 +83,9 @@ impl StoreWriter {
     /// When called outside a tokio runtime.
     pub fn spawn(store: Arc<dyn StateStore>, interval: Duration) -> StoreWriter {
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(store, interval, rx, Apply::Offload));
-        StoreWriter { tx }
+        let health = Arc::new(Health::default());
+        tokio::spawn(run(store, interval, rx, Apply::Offload, health.clone()));
+        StoreWriter { tx, health }
     }
 
     /// Starts the flush loop on a dedicated thread with its own current-thread runtime,
@@ -66,11 +99,27 @@ impl StoreWriter {
             .build()
             .map_err(|e| StoreError::Io(format!("cannot start the state writer runtime: {e}")))?;
         let (tx, rx) = mpsc::unbounded_channel();
+        let health = Arc::new(Health::default());
+        let shared = health.clone();
         std::thread::Builder::new()
             .name("sluice-store".to_owned())
-            .spawn(move || runtime.block_on(run(store, interval, rx, Apply::Inline)))
+            .spawn(move || runtime.block_on(run(store, interval, rx, Apply::Inline, shared)))
             .map_err(|e| StoreError::Io(format!("cannot start the state writer thread: {e}")))?;
-        Ok(StoreWriter { tx })
+        Ok(StoreWriter { tx, health })
+    }
+
+    /// Sets the callback told of every failed commit (once; later calls are ignored).
+    pub fn on_failure(&self, hook: impl Fn(&StoreError) + Send + Sync + 'static) {
+        let _ = self.health.on_failure.set(Box::new(hook));
+    }
+
+    /// How commits are going.
+    pub fn health(&self) -> WriterHealth {
+        WriterHealth {
+            failed_commits: self.health.failed_commits.load(Ordering::Relaxed),
+            consecutive_failures: self.health.consecutive_failures.load(Ordering::Relaxed),
+            closed: self.tx.is_closed(),
+        }
     }
 
     /// Queues changes; never blocks, never awaits (called on request paths).
@@ -133,6 +182,7 @@ struct Loop {
     /// `flush` callers: when non-empty, the loop stops after the next commit.
     flushers: Vec<Reply>,
     failures: u32,
+    health: Arc<Health>,
 }
 
 async fn run(
@@ -140,6 +190,7 @@ async fn run(
     interval: Duration,
     mut rx: mpsc::UnboundedReceiver<Msg>,
     mode: Apply,
+    health: Arc<Health>,
 ) {
     let mut state = Loop {
         store,
@@ -148,6 +199,7 @@ async fn run(
         waiters: Vec::new(),
         flushers: Vec::new(),
         failures: 0,
+        health,
     };
     let mut ticker = tokio::time::interval(interval.max(Duration::from_millis(1)));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -256,6 +308,7 @@ impl Loop {
                     tracing::info!(failures = self.failures, "state store commits recovered");
                 }
                 self.failures = 0;
+                self.health.consecutive_failures.store(0, Ordering::Relaxed);
             }
             Err(e) => {
                 // Nothing newer can have arrived during the apply: put the batch back as is.
@@ -273,6 +326,13 @@ impl Loop {
                     );
                 }
                 self.failures = self.failures.saturating_add(1);
+                self.health.failed_commits.fetch_add(1, Ordering::Relaxed);
+                self.health
+                    .consecutive_failures
+                    .store(self.failures, Ordering::Relaxed);
+                if let Some(hook) = self.health.on_failure.get() {
+                    hook(e);
+                }
             }
         }
         result
@@ -344,6 +404,34 @@ mod tests {
         writer.commit_now(Vec::new()).await.unwrap();
         assert_eq!(store.load().unwrap()[&Table::Leases]["l"], json!(2));
         writer.flush().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn health_counts_failed_commits_and_tells_the_hook() {
+        let store = flaky(true);
+        let writer = StoreWriter::spawn(store.clone(), Duration::from_secs(3600));
+        let told = Arc::new(AtomicUsize::new(0));
+        let seen = told.clone();
+        writer.on_failure(move |e| {
+            assert_eq!(e.label(), "io");
+            seen.fetch_add(1, Ordering::SeqCst);
+        });
+        for _ in 0..2 {
+            let change = vec![Change::upsert(Table::Leases, "l", json!(1))];
+            assert!(writer.commit_now(change).await.is_err());
+        }
+        // The writer's first tick may retry the kept batch once more.
+        let h = writer.health();
+        assert!(h.failed_commits >= 2 && !h.closed, "{h:?}");
+        assert_eq!(u64::from(h.consecutive_failures), h.failed_commits);
+        assert_eq!(told.load(Ordering::SeqCst) as u64, h.failed_commits);
+        store.failing.store(false, Ordering::SeqCst);
+        writer.commit_now(Vec::new()).await.unwrap();
+        let healed = writer.health();
+        assert_eq!(healed.consecutive_failures, 0);
+        assert_eq!(healed.failed_commits, told.load(Ordering::SeqCst) as u64);
+        writer.flush().await.unwrap();
+        assert!(writer.health().closed);
     }
 
     #[tokio::test]

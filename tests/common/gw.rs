@@ -144,6 +144,20 @@ impl Gateway {
             .collect()
     }
 
+    /// The value of one series of `/metrics`, written exactly as exported (labels in
+    /// alphabetical order), e.g. `sluice_connection_cooling{connection="c",provider="p"}`;
+    /// `None` when the series is absent.
+    pub fn metric(&self, series: &str) -> Option<f64> {
+        let text = request(self.admin, "GET", "/metrics", &[], b"").text();
+        text.lines().find_map(|l| {
+            l.strip_prefix(series)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
+    }
+
     /// POSTs `body` to `/v1/chat/completions`.
     pub fn chat(&self, body: &str) -> Response {
         request(

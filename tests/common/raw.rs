@@ -22,6 +22,9 @@ pub enum Step {
     Sleep(Duration),
     /// Keep the connection open, silent, until the upstream is dropped.
     Hang,
+    /// Read (and count) the next request on the same connection; the connection ends
+    /// if none comes.
+    ReadNext,
 }
 
 pub struct RawUpstream {
@@ -74,17 +77,13 @@ impl Drop for RawUpstream {
     }
 }
 
-fn serve(stream: TcpStream, script: &[Step], calls: &AtomicUsize, stop: &AtomicBool) {
-    let _ = stream.set_nodelay(true);
-    let mut reader = BufReader::new(match stream.try_clone() {
-        Ok(s) => s,
-        Err(_) => return,
-    });
+/// Reads one request (header and `Content-Length` body); false when none came.
+fn read_request(reader: &mut BufReader<TcpStream>) -> bool {
     let mut length = 0usize;
     loop {
         let mut line = String::new();
         match reader.read_line(&mut line) {
-            Ok(0) | Err(_) => return,
+            Ok(0) | Err(_) => return false,
             Ok(_) => {}
         }
         let line = line.trim_end();
@@ -98,13 +97,28 @@ fn serve(stream: TcpStream, script: &[Step], calls: &AtomicUsize, stop: &AtomicB
         }
     }
     let mut body = vec![0u8; length];
-    if reader.read_exact(&mut body).is_err() {
+    reader.read_exact(&mut body).is_ok()
+}
+
+fn serve(stream: TcpStream, script: &[Step], calls: &AtomicUsize, stop: &AtomicBool) {
+    let _ = stream.set_nodelay(true);
+    let mut reader = BufReader::new(match stream.try_clone() {
+        Ok(s) => s,
+        Err(_) => return,
+    });
+    if !read_request(&mut reader) {
         return;
     }
     calls.fetch_add(1, Ordering::SeqCst);
     let mut w = &stream;
     for step in script {
         match step {
+            Step::ReadNext => {
+                if !read_request(&mut reader) {
+                    return;
+                }
+                calls.fetch_add(1, Ordering::SeqCst);
+            }
             Step::Write(bytes) => {
                 if w.write_all(bytes).and_then(|_| w.flush()).is_err() {
                     return;
@@ -132,6 +146,16 @@ pub fn head(status: u16, headers: &[&str]) -> Vec<u8> {
     }
     s.push_str("\r\n");
     s.into_bytes()
+}
+
+/// A complete keep-alive response (no `Connection: close`), so the gateway pools the
+/// connection.
+pub fn keep_alive_ok(body: &str) -> Vec<u8> {
+    format!(
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
 }
 
 /// One chunk of a chunked body.
