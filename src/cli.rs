@@ -1,4 +1,5 @@
-//! Command line: `sluice run --config FILE` and `sluice check --config FILE`.
+//! Command line: `sluice run --config FILE`, `sluice check --config FILE` and
+//! `sluice state clear-overrides --config FILE`.
 //!
 //! `check` prints every problem as `file: path: reason` and exits 1 when there is one;
 //! `run` refuses to start on an invalid config with the same list. Startup is the only
@@ -12,7 +13,7 @@ use crate::error::StartupError;
 use crate::metrics::Metrics;
 use crate::proxy::Gateway;
 use crate::server::listener::TcpAppService;
-use crate::store::{RedbStore, StateStore, StoreWriter};
+use crate::store::{Change, RedbStore, StateStore, StoreWriter, Table};
 use clap::{Parser, Subcommand};
 use pingora::server::configuration::ServerConf;
 use pingora::server::Server;
@@ -48,6 +49,21 @@ pub enum Command {
         #[arg(long, short, default_value = "conf/sluice.yaml")]
         config: PathBuf,
     },
+    /// Offline maintenance of the state store (the gateway must be stopped: it holds
+    /// the store's lock while it runs).
+    State {
+        #[command(subcommand)]
+        action: StateAction,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum StateAction {
+    /// Remove every runtime setting override (PATCH /api/resilience) from the store.
+    ClearOverrides {
+        #[arg(long, short, default_value = "conf/sluice.yaml")]
+        config: PathBuf,
+    },
 }
 
 fn env_lookup(name: &str) -> Option<String> {
@@ -58,7 +74,9 @@ fn env_lookup(name: &str) -> Option<String> {
 /// process exit code.
 pub fn check(path: &Path, out: &mut dyn Write) -> i32 {
     match prepare(path, &env_lookup, &Default::default(), 1) {
-        Ok(Prepared { snapshot, warnings }) => {
+        Ok(Prepared {
+            snapshot, warnings, ..
+        }) => {
             let (config, rules) = (&snapshot.config, &snapshot.rules);
             for w in &warnings {
                 let _ = writeln!(out, "warning: {w}");
@@ -86,6 +104,65 @@ pub fn check(path: &Path, out: &mut dyn Write) -> i32 {
                 let _ = writeln!(out, "error: {p}");
             }
             let _ = writeln!(out, "{}: {} problem(s)", path.display(), problems.len());
+            1
+        }
+    }
+}
+
+/// `sluice state clear-overrides`: deletes every stored runtime override; returns the
+/// process exit code. The store must not be open in a running gateway.
+pub fn clear_overrides(path: &Path, out: &mut dyn Write) -> i32 {
+    let prepared = match prepare(path, &env_lookup, &Default::default(), 1) {
+        Ok(p) => p,
+        Err(problems) => {
+            for p in &problems {
+                let _ = writeln!(out, "error: {p}");
+            }
+            return 1;
+        }
+    };
+    let state_path = &prepared.snapshot.config.state_path;
+    if !state_path.exists() {
+        let _ = writeln!(
+            out,
+            "{}: no state store yet; nothing to clear",
+            state_path.display()
+        );
+        return 0;
+    }
+    let result = RedbStore::open(state_path, false).and_then(|store| {
+        let image = store.load()?;
+        let keys: Vec<String> = image
+            .get(&Table::Overrides)
+            .map(|t| t.keys().cloned().collect())
+            .unwrap_or_default();
+        let deletes: Vec<Change> = keys
+            .iter()
+            .map(|k| Change::delete(Table::Overrides, k.clone()))
+            .collect();
+        store.apply(&deletes)?;
+        Ok(keys)
+    });
+    match result {
+        Ok(keys) if keys.is_empty() => {
+            let _ = writeln!(out, "{}: no runtime overrides", state_path.display());
+            0
+        }
+        Ok(keys) => {
+            let _ = writeln!(
+                out,
+                "{}: cleared {} runtime override(s): {}",
+                state_path.display(),
+                keys.len(),
+                keys.join(", ")
+            );
+            0
+        }
+        Err(e) => {
+            let _ = writeln!(
+                out,
+                "error: {e} (stop the gateway first; on a running one use PATCH /api/resilience)"
+            );
             1
         }
     }
@@ -119,13 +196,30 @@ pub fn run(path: &Path, reset_state: bool) -> Result<(), StartupError> {
     let image = store
         .load()
         .map_err(|e| StartupError::Store(e.to_string()))?;
-    let overrides = Engine::overrides_from(&image);
+    let mut overrides = Engine::overrides_from(&image);
     let snapshot = if overrides.is_empty() {
         first.snapshot
     } else {
-        prepare(path, &env_lookup, &overrides, 1)
-            .map_err(render)?
-            .snapshot
+        let layered = prepare(path, &env_lookup, &overrides, 1).map_err(render)?;
+        // An override the config no longer accepts (e.g. a fallback model that was
+        // removed) is dropped with a warning, here and in the store; it never stops a start.
+        let deletes: Vec<Change> = layered
+            .dropped_overrides
+            .iter()
+            .map(|k| Change::delete(Table::Overrides, k.clone()))
+            .collect();
+        for w in layered.warnings.iter().skip(first.warnings.len()) {
+            tracing::warn!("{w}");
+        }
+        for k in &layered.dropped_overrides {
+            overrides.remove(k);
+        }
+        if !deletes.is_empty() {
+            store
+                .apply(&deletes)
+                .map_err(|e| StartupError::Store(e.to_string()))?;
+        }
+        layered.snapshot
     };
     let metrics = Metrics::new()?;
     let writer = StoreWriter::spawn_on_thread(store, Duration::from_millis(100))

@@ -2,7 +2,7 @@
 //! `sluice::cli`.
 
 use clap::Parser;
-use sluice::cli::{Cli, Command};
+use sluice::cli::{Cli, Command, StateAction};
 use std::io::IsTerminal;
 
 /// Logs go through a background writer (see `sluice::logging`); the returned handle
@@ -26,6 +26,9 @@ fn main() {
     let cli = Cli::parse();
     let code = match cli.command {
         Command::Check { config } => sluice::cli::check(&config, &mut std::io::stdout()),
+        Command::State {
+            action: StateAction::ClearOverrides { config },
+        } => sluice::cli::clear_overrides(&config, &mut std::io::stdout()),
         Command::Run {
             config,
             reset_state,

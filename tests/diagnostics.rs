@@ -119,3 +119,47 @@ impl OnlyA for Gateway {
         self.chat(r#"{"model":"only-a"}"#)
     }
 }
+
+#[test]
+fn explain_lists_candidates_in_strategy_order() {
+    // The cheaper target is listed second: cost-optimized tries it first.
+    let a = Mock::start_named("a", &[]);
+    let b = Mock::start_named("b", &[]);
+    let yaml = format!(
+        "{}providers:
+  - id: a
+    base_url: \"{}\"
+    api: openai
+    connections: [ {{ id: ka, api_key_env: KEY }} ]
+  - id: b
+    base_url: \"{}\"
+    api: openai
+    connections: [ {{ id: kb, api_key_env: KEY }} ]
+models:
+  - name: cheap-first
+    strategy: cost-optimized
+    targets:
+      - {{ provider: a, model: dear, cost: 5.0 }}
+      - {{ provider: b, model: cheap, cost: 0.5 }}
+",
+        server_section(""),
+        a.base_url(),
+        b.base_url()
+    );
+    let gw = Gateway::start(&yaml, &[("KEY", "k")]);
+    let order = |gw: &Gateway| -> Vec<String> {
+        gw.admin_get("/api/routes/explain?model=cheap-first").json()["families"][0]["candidates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["model"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(order(&gw), vec!["cheap", "dear"]);
+    // What a request does agrees, and a dry run does not disturb it.
+    assert_eq!(order(&gw), vec!["cheap", "dear"]);
+    let r = gw.chat(r#"{"model":"cheap-first"}"#);
+    assert_eq!(r.header("x-sluice-model"), Some("cheap"));
+    assert_eq!(b.route_count("/v1/chat/completions"), 1);
+    assert_eq!(a.route_count("/v1/chat/completions"), 0);
+}

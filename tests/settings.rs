@@ -174,3 +174,103 @@ fn emergency_fallback_serves_when_the_model_cannot_run() {
         common::sha256_hex(br#"{"model":"up-backup"}"#)
     );
 }
+
+/// The test config without the `backup` model.
+fn config_without_backup(mock: &str) -> String {
+    config(mock).replace(
+        "  - name: backup\n    targets: [ { provider: q, model: up-backup } ]\n",
+        "",
+    )
+}
+
+fn overrides(gw: &Gateway) -> serde_json::Value {
+    gw.admin_get("/api/resilience").json()["overrides"].clone()
+}
+
+#[test]
+fn an_override_naming_a_removed_model_is_dropped_at_start_not_fatal() {
+    let mock = Mock::start(&[]);
+    let yaml = config(&mock.base_url());
+    assert!(config_without_backup(&mock.base_url()) != yaml);
+    let gw = Gateway::start(&yaml, &[("KEY", "k")]);
+    let r = gw.admin(
+        "PATCH",
+        "/api/resilience",
+        r#"{"emergency_fallback": "backup", "queue.max_depth": 4}"#,
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+
+    // Stopped, the model removed, started again: it starts, keeps the override that
+    // still applies, and forgets the stale one (in the store too).
+    let gw = gw.restart_with(&config_without_backup(&mock.base_url()));
+    assert_eq!(overrides(&gw), serde_json::json!({"queue.max_depth": 4}));
+    assert_eq!(setting(&gw, "emergency_fallback").1, "default");
+    assert_eq!(gw.chat(r#"{"model":"m"}"#).status, 200);
+    let gw = gw.restart_with(&yaml);
+    assert_eq!(overrides(&gw), serde_json::json!({"queue.max_depth": 4}));
+    assert_eq!(
+        setting(&gw, "emergency_fallback").0,
+        serde_json::Value::Null
+    );
+}
+
+#[test]
+fn a_reload_that_removes_the_fallback_model_drops_the_override() {
+    let mock = Mock::start(&[]);
+    let gw = Gateway::start(&config(&mock.base_url()), &[("KEY", "k")]);
+    let r = gw.admin(
+        "PATCH",
+        "/api/resilience",
+        r#"{"emergency_fallback": "backup"}"#,
+    );
+    assert_eq!(r.status, 200);
+    gw.rewrite_config(&config_without_backup(&mock.base_url()));
+    let r = gw.admin_post("/api/config/reload", "");
+    assert_eq!(r.status, 200, "the reload itself is valid: {}", r.text());
+    let warnings = r.json()["last_reload"]["warnings"].to_string();
+    assert!(
+        warnings.contains("emergency_fallback") && warnings.contains("dropped"),
+        "{warnings}"
+    );
+    assert_eq!(overrides(&gw), serde_json::json!({}));
+    assert_eq!(
+        gw.admin_get("/api/config").json()["models"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+    // Gone from the store too: a restart on the original config has no fallback. (The
+    // drop goes through the batched writer; an admin write commits everything queued
+    // before it, so the kill below cannot race the flush.)
+    assert_eq!(gw.admin_post("/api/resilience/reset", "{}").status, 200);
+    let gw = gw.restart_with(&config(&mock.base_url()));
+    assert_eq!(overrides(&gw), serde_json::json!({}));
+}
+
+#[test]
+fn state_clear_overrides_empties_the_stored_overrides() {
+    let mock = Mock::start(&[]);
+    let mut gw = Gateway::start(&config(&mock.base_url()), &[("KEY", "k")]);
+    let r = gw.admin(
+        "PATCH",
+        "/api/resilience",
+        r#"{"queue.max_depth": 9, "combo_wait.enabled": false}"#,
+    );
+    assert_eq!(r.status, 200);
+    let (code, out) = gw.stop_and_run(&["state", "clear-overrides"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("cleared 2 runtime override(s): combo_wait.enabled, queue.max_depth"),
+        "{out}"
+    );
+    let (code, out) = gw.stop_and_run(&["state", "clear-overrides"]);
+    assert_eq!(
+        (code, out.contains("no runtime overrides")),
+        (0, true),
+        "{out}"
+    );
+    let gw = gw.restart_with(&config(&mock.base_url()));
+    assert_eq!(overrides(&gw), serde_json::json!({}));
+    assert_eq!(setting(&gw, "queue.max_depth").1, "default");
+}

@@ -268,6 +268,40 @@ fn check(s: &Setting, v: &Value, cfg: &Config) -> Result<Value, String> {
     }
 }
 
+/// Splits stored runtime overrides into those that still apply to `cfg` and those that
+/// no longer do (an unknown setting, or a value the config now rejects, such as an
+/// `emergency_fallback` naming a model that was removed). The second list comes back as
+/// warnings naming each dropped key: a stale override must never stop a start or a
+/// reload, and must not linger either.
+pub fn split_overrides(
+    cfg: &Config,
+    overrides: &BTreeMap<String, Value>,
+) -> (BTreeMap<String, Value>, Vec<Problem>) {
+    let reg = registry();
+    let mut kept = BTreeMap::new();
+    let mut dropped = Vec::new();
+    for (k, v) in overrides {
+        let verdict = match reg.iter().find(|s| s.key == k) {
+            None => Err("unknown setting".to_string()),
+            Some(s) => check(s, v, cfg).map(|_| ()),
+        };
+        match verdict {
+            Ok(()) => {
+                kept.insert(k.clone(), v.clone());
+            }
+            Err(e) => dropped.push(Problem {
+                file: "runtime overrides".into(),
+                path: k.clone(),
+                reason: format!(
+                    "{v}: {e}; the override no longer applies and was dropped \
+                     (PATCH /api/resilience sets it again)"
+                ),
+            }),
+        }
+    }
+    (kept, dropped)
+}
+
 /// Effective settings with their sources, after `resolve`.
 pub type Sources = BTreeMap<&'static str, (Value, Source)>;
 
@@ -466,5 +500,25 @@ mod tests {
         assert_eq!(ok["emergency_fallback"], Some(Value::from("m")));
         assert_eq!(ok["queue.wait"], None);
         assert_eq!(ok["queue.max_depth"], Some(Value::from(2)));
+    }
+
+    #[test]
+    fn stale_overrides_are_split_off_with_their_reason() {
+        let (cfg, _) = load("");
+        let mut stored = BTreeMap::new();
+        stored.insert("emergency_fallback".to_string(), json!("removed-model"));
+        stored.insert("queue.max_depth".to_string(), json!(5));
+        stored.insert("no.such.setting".to_string(), json!(1));
+        let (kept, dropped) = split_overrides(&cfg, &stored);
+        assert_eq!(kept.len(), 1);
+        assert_eq!(kept["queue.max_depth"], json!(5));
+        let paths: Vec<&str> = dropped.iter().map(|p| p.path.as_str()).collect();
+        assert_eq!(paths, vec!["emergency_fallback", "no.such.setting"]);
+        assert!(
+            dropped[0].reason.contains("unknown model"),
+            "{}",
+            dropped[0]
+        );
+        assert!(dropped[0].reason.contains("dropped"));
     }
 }

@@ -380,7 +380,8 @@ impl Engine {
         permit
     }
 
-    /// Dry run of selection for `GET /api/routes/explain`.
+    /// Dry run of selection for `GET /api/routes/explain`: candidates in the order the
+    /// strategy would try them, then the excluded ones with their reasons.
     pub fn explain(&self, model_name: &str) -> Option<Value> {
         let snap = self.snapshot();
         let model = snap.model_index(model_name)?;
@@ -398,11 +399,13 @@ impl Engine {
                 tried: &tried,
             };
             let eval = select::evaluate(self, &snap, model, family, &asker, now);
-            let candidates: Vec<Value> = eval
-                .runnable
+            // Runnable ones in strategy order, then those a request would queue for.
+            let order = select::ranked(self, &snap, model, &eval.runnable, now);
+            let candidates: Vec<Value> = order
                 .iter()
-                .chain(eval.full.iter())
-                .map(|c| {
+                .map(|c| (c, false))
+                .chain(eval.full.iter().map(|c| (c, true)))
+                .map(|(c, at_cap)| {
                     let t = &m.targets[c.target];
                     let p = &snap.config.providers[c.provider];
                     json!({
@@ -413,6 +416,7 @@ impl Engine {
                         "cost": t.cost,
                         "breaker": c.breaker.as_str(),
                         "inflight": self.permits.inflight(&state::conn_key(&p.id, &p.connections[c.connection].id)),
+                        "at_capacity": at_cap,
                     })
                 })
                 .collect();

@@ -316,12 +316,56 @@ impl Engine {
                     e.lock
                         .record_failure(&lcfg, *status, class.reason, hint, now)
                 });
-                if until.is_some() {
+                if let Some(until) = until {
                     tracing::info!(provider = %p.id, connection = %conn.id, model = %model_key, status, "model lockout");
                     changes.push(c);
+                    if matches!(
+                        class.reason,
+                        Reason::RateLimitExceeded | Reason::QuotaExhausted
+                    ) {
+                        self.lock_bucket(a, &model_key, until, class.reason, *status, changes);
+                    }
                 }
             }
             _ => {}
+        }
+    }
+
+    /// A rate limit or quota that became a model lock on a connection of a quota bucket
+    /// locks the same model on the bucket's other connections too, exactly as a cooldown
+    /// would have cooled them (SPEC §5.3): whichever layer takes the signal, a bucket
+    /// never spends a call on an account that just said it is out of quota.
+    fn lock_bucket(
+        &self,
+        a: &AttemptInfo<'_>,
+        model_key: &str,
+        until: Millis,
+        reason: Reason,
+        status: u16,
+        changes: &mut Vec<Change>,
+    ) {
+        let cfg = &a.snap.config;
+        let Some(bucket) = cfg.providers[a.pick.provider].connections[a.pick.connection]
+            .bucket
+            .as_ref()
+        else {
+            return;
+        };
+        for (pi, p) in cfg.providers.iter().enumerate() {
+            for (ci, c) in p.connections.iter().enumerate() {
+                if c.bucket.as_ref() != Some(bucket)
+                    || (pi, ci) == (a.pick.provider, a.pick.connection)
+                    || c.disable_cooling
+                {
+                    continue;
+                }
+                let (changed, change) = self.tables.with_lockout(&p.id, &c.id, model_key, |e| {
+                    e.lock.apply_shared(until, reason, status)
+                });
+                if changed {
+                    changes.push(change);
+                }
+            }
         }
     }
 }

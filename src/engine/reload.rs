@@ -68,7 +68,11 @@ fn env_lookup(name: &str) -> Option<String> {
 /// A validated generation, ready to be swapped in.
 pub struct Prepared {
     pub snapshot: Snapshot,
+    /// Warnings of the config, then one per dropped override.
     pub warnings: Vec<Problem>,
+    /// Stored overrides that no longer apply to this config (left out of it); the
+    /// caller removes them from the engine and the store.
+    pub dropped_overrides: Vec<String>,
 }
 
 /// Reads the config file and its rules, validates both, and applies the env and
@@ -87,11 +91,38 @@ pub fn prepare(
         text,
     });
     let mut cfg = loaded.config;
-    let sources = settings::resolve(&mut cfg, &base.text, env, overrides)?;
+    let (kept, dropped) = settings::split_overrides(&cfg, overrides);
+    let sources = settings::resolve(&mut cfg, &base.text, env, &kept)?;
+    let dropped_overrides = dropped.iter().map(|p| p.path.clone()).collect();
+    let mut warnings = loaded.warnings;
+    warnings.extend(dropped);
     Ok(Prepared {
         snapshot: Snapshot::layered(cfg, Arc::new(rules), generation, sources, Some(base)),
-        warnings: loaded.warnings,
+        warnings,
+        dropped_overrides,
     })
+}
+
+impl Engine {
+    /// Forgets overrides a new config no longer accepts, in memory and in the store.
+    pub fn drop_overrides(&self, keys: &[String]) {
+        if keys.is_empty() {
+            return;
+        }
+        let mut overrides = lock(&self.overrides);
+        for k in keys {
+            overrides.remove(k);
+            tracing::warn!(setting = %k, "runtime override dropped: it no longer applies to the config");
+        }
+        drop(overrides);
+        if let Some(store) = &self.store {
+            store.submit(
+                keys.iter()
+                    .map(|k| crate::store::Change::delete(Table::Overrides, k.clone()))
+                    .collect(),
+            );
+        }
+    }
 }
 
 fn render(problems: &[Problem]) -> String {
@@ -147,6 +178,7 @@ impl Engine {
             warnings.push("state.path changed: takes effect after a restart".into());
         }
         self.clear_terminal_on_new_credentials(&prepared.snapshot.config);
+        self.drop_overrides(&prepared.dropped_overrides);
         self.swap(prepared.snapshot);
         self.metrics
             .config_reloads_total

@@ -295,3 +295,30 @@ pub fn pick(
     let i = lock(&snap.routing[model]).pick_view(m.strategy, &v, random, m.p2c_latency_weight)?;
     cands.get(i).copied()
 }
+
+/// `cands` in the order the strategy would try them if each attempt failed: picked one
+/// after another on a copy of the model's routing state, so a dry run (the explain
+/// endpoint) neither advances rotations nor counts as traffic. For `random` and `p2c`
+/// this is one sample of that order.
+pub fn ranked(
+    engine: &Engine,
+    snap: &Snapshot,
+    model: usize,
+    cands: &[Candidate],
+    now: Millis,
+) -> Vec<Candidate> {
+    let m = &snap.config.models[model];
+    let mut routing = lock(&snap.routing[model]).clone();
+    let mut left: Vec<Candidate> = cands.to_vec();
+    let mut out = Vec::with_capacity(left.len());
+    while !left.is_empty() {
+        let v = views(engine, snap, model, &left, now);
+        let random: (f64, f64) = (rand::random(), rand::random());
+        let i = routing
+            .pick_view(m.strategy, &v, random, m.p2c_latency_weight)
+            .unwrap_or(0)
+            .min(left.len() - 1);
+        out.push(left.remove(i));
+    }
+    out
+}

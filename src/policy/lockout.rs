@@ -176,6 +176,19 @@ impl Lockout {
         Some(self.until)
     }
 
+    /// A lock that reaches this tuple from a quota-bucket sibling (SPEC §5.3 buckets):
+    /// lasts at least until `until`, never shortens a longer one, and does not raise
+    /// `failures` (this tuple did not fail). Returns true when anything changed.
+    pub fn apply_shared(&mut self, until: Millis, reason: Reason, status: u16) -> bool {
+        if until <= self.until {
+            return false;
+        }
+        self.until = until;
+        self.reason = Some(reason);
+        self.status = Some(status);
+        true
+    }
+
     /// Success decay: halves `failures` (floor). Returns true when it reached 0: the
     /// caller deletes the entry, which also ends a running lockout early.
     pub fn record_success(&mut self) -> bool {
@@ -420,5 +433,20 @@ mod tests {
             let bare = bare_model(&model);
             prop_assert!(model.is_empty() || !bare.is_empty());
         }
+    }
+
+    #[test]
+    fn a_shared_lock_extends_but_never_shortens_or_escalates() {
+        let mut l = Lockout::default();
+        assert!(l.apply_shared(5_000, Reason::RateLimitExceeded, 429));
+        assert_eq!((l.until, l.failures), (5_000, 0));
+        assert!(l.active(4_999) && !l.active(5_000));
+        assert!(!l.apply_shared(3_000, Reason::QuotaExhausted, 429));
+        assert_eq!(l.until, 5_000);
+        assert!(l.apply_shared(9_000, Reason::QuotaExhausted, 429));
+        assert_eq!(
+            (l.until, l.failures, l.reason),
+            (9_000, 0, Some(Reason::QuotaExhausted))
+        );
     }
 }

@@ -86,6 +86,35 @@ impl Gateway {
         Self::spawn(dir, env)
     }
 
+    /// `kill -9` the gateway, write `yaml` as its config, and start it again on the
+    /// same state file.
+    pub fn restart_with(mut self, yaml: &str) -> Gateway {
+        self.proc.kill();
+        self.rewrite_config(yaml);
+        let dir = std::mem::replace(&mut self.dir, TempDir(PathBuf::new()));
+        let env = std::mem::take(&mut self.env);
+        Self::spawn(dir, env)
+    }
+
+    /// Stops the gateway (`kill -9`) and runs `sluice ARGS… --config <its config>`
+    /// to completion, returning (exit code, stdout); start it again with `restart_with`.
+    pub fn stop_and_run(&mut self, args: &[&str]) -> (i32, String) {
+        self.proc.kill();
+        let path = self.dir.0.join("sluice.yaml");
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+            .args(args)
+            .arg("--config")
+            .arg(&path)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .env("SLUICE_ADMIN_TOKEN", ADMIN_TOKEN)
+            .output()
+            .expect("run sluice");
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    }
+
     pub fn write_rules(&self, file: &str, text: &str) {
         std::fs::write(self.dir.0.join("rules").join(file), text).expect("write rules");
     }
