@@ -3,6 +3,9 @@
 //! grow. Run with `cargo bench --bench selection` (release build); prints ns per
 //! selection for 10, 100 and 1,000 connections and each of a few strategies.
 
+// A benchmark measures wall time and gives up on a broken setup.
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::disallowed_methods)]
+
 use sluice::clock::SystemClock;
 use sluice::config::{parse_str, Family};
 use sluice::engine::select::Asker;

@@ -1,11 +1,25 @@
 //! Time sources. Policies take `now` as an argument; only the edges read a clock.
 //!
 //! `SystemClock` gives unix milliseconds (persistable, comparable with HTTP-dates);
-//! `ManualClock` is advanced by hand in tests.
+//! `ManualClock` is advanced by hand in tests. [`monotonic`] is the one reading of the
+//! monotonic clock, for the glue's timers (deadlines, TTFT, stall): nothing else calls
+//! `Instant::now` or `SystemTime::now` (clippy's `disallowed_methods` enforces it).
 
 use crate::policy::Millis;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+/// Now, on the monotonic clock (for timers of the Pingora glue, never persisted).
+#[allow(clippy::disallowed_methods)]
+pub fn monotonic() -> Instant {
+    Instant::now()
+}
+
+/// Now, in unix milliseconds, for code that has no [`Clock`] at hand (file names, the
+/// mock's `created` field).
+pub fn unix_ms() -> Millis {
+    SystemClock.now_ms()
+}
 
 pub trait Clock: Send + Sync {
     fn now_ms(&self) -> Millis;
@@ -15,6 +29,7 @@ pub trait Clock: Send + Sync {
 pub struct SystemClock;
 
 impl Clock for SystemClock {
+    #[allow(clippy::disallowed_methods)]
     fn now_ms(&self) -> Millis {
         SystemTime::now()
             .duration_since(UNIX_EPOCH)

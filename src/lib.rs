@@ -16,4 +16,5 @@ pub mod proxy;
 pub mod routing;
 pub mod rules;
 pub mod server;
+pub mod sse;
 pub mod store;

@@ -1,6 +1,9 @@
 //! Admin listener: health, readiness, metrics after real traffic, token-gated `/api/*`
 //! that never shows credentials.
 
+// Integration tests: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use common::gw::{server_section, Gateway, ADMIN_TOKEN};

@@ -2,6 +2,9 @@
 //! requests, moves when that connection is cooled, survives a restart, and never
 //! reaches the upstream.
 
+// Integration tests: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use common::gw::{server_section, Gateway};

@@ -2,6 +2,9 @@
 //! threshold and stops being called, HALF_OPEN lets exactly one probe through, recovery
 //! closes it, and `GET /api/monitoring/health` shows each state.
 
+// Integration tests: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use common::gw::{server_section, Gateway};

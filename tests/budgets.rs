@@ -1,6 +1,9 @@
 //! The request's budget (SPEC §5.8): when nothing can run, the client is answered at
 //! once with `Retry-After`, never held for a timer it cannot outlast and then given a 504.
 
+// Integration tests: a failed unwrap is a failed test, and they time the real binary.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
+
 mod common;
 
 use common::gw::{server_section, Gateway};

@@ -1,5 +1,8 @@
 //! `sluice check`: every problem listed with file, field path and reason; exit 1.
 
+// Integration tests: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use common::gw::TempDir;

@@ -2,6 +2,9 @@
 //! `Retry-After: 2`, the client gets a 200 after about 2 s instead of a 429; with an
 //! exhausted quota it gets the 429 at once.
 
+// Integration tests: a failed unwrap is a failed test, and they time the real binary.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
+
 mod common;
 
 use common::gw::{server_section, Gateway};

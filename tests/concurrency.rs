@@ -2,6 +2,9 @@
 //! see two requests at once and still answers everyone; `queue.max_depth` rejects the
 //! excess at once; a timed-out wait fails open by default and answers 503 when not.
 
+// Integration tests: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use common::gw::{server_section, Gateway};

@@ -3,6 +3,9 @@
 //! a concurrency-limit 429 does not raise it and does not touch the breaker; a shared
 //! quota bucket cools its siblings.
 
+// Integration tests: a failed unwrap is a failed test, and they time the real binary.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
+
 mod common;
 
 use common::gw::{server_section, Gateway};

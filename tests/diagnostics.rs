@@ -1,6 +1,9 @@
 //! Diagnostics and operator views: the dry-run explain endpoint, `circuit_open`
 //! exclusions with `Retry-After`, and reload by `SIGHUP`.
 
+// Integration tests: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use common::gw::{server_section, Gateway};

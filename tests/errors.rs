@@ -1,6 +1,9 @@
 //! Every client-visible error of SPEC §4 that exists in this version, in both families'
 //! shapes, with the upstream call counts that prove nothing was forwarded.
 
+// Integration tests: a failed unwrap is a failed test, and they time the real binary.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
+
 mod common;
 
 use common::gw::{closed_port, server_section, Gateway};

@@ -2,6 +2,9 @@
 //! the healthy upstream receives is exactly the client's with `model` rewritten),
 //! connection refused, TTFT timeout, and the last upstream 429 passed through.
 
+// Integration tests: a failed unwrap is a failed test, and they time the real binary.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
+
 mod common;
 
 use common::gw::{closed_port, server_section, Gateway};

@@ -3,6 +3,9 @@
 //! chunk, no completed `Content-Length`); an SSE stream gets its partial event
 //! terminated and then the route family's error event, which parses on its own.
 
+// Integration tests: a failed unwrap is a failed test, and they time the real binary.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
+
 mod common;
 
 use common::gw::{server_section, Gateway};

@@ -2,6 +2,9 @@
 //! with a stale one, 429 with Retry-After for a second client when every allowed
 //! connection is leased, release frees it, and a lease survives a restart.
 
+// Integration tests: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use common::gw::{server_section, Gateway};

@@ -1,6 +1,9 @@
 //! Model lockouts (SPEC §5.4): a 404 locks only that model on that connection, a 429
 //! locks its quota family, successes decay the count, the DELETE endpoint re-enables.
 
+// Integration tests: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use common::gw::{server_section, Gateway};

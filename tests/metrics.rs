@@ -2,6 +2,9 @@
 //! terminal connections and active model lockouts (with a quota bucket that spreads a
 //! lock to its sibling, so no call is spent on an account that is out of quota).
 
+// Integration tests: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use common::gw::{server_section, Gateway};

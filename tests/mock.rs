@@ -2,6 +2,9 @@
 //! and benchmark relies on must answer in the right shapes, stream in real time, apply
 //! faults exactly as specified and count what it saw truthfully.
 
+// Integration tests: a failed unwrap is a failed test, and they time the real binary.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
+
 mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};

@@ -1,6 +1,9 @@
 //! Status restatement and classification rules from `rules/`, and their hot reload: a
 //! broken rule file leaves the previous rules serving and shows the error.
 
+// Integration tests: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use common::gw::{server_section, Gateway};

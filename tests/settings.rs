@@ -2,6 +2,9 @@
 //! connection, shown by `GET /api/resilience`; `PATCH` overrides are validated, take
 //! effect at once, and survive a restart.
 
+// Integration tests: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use common::gw::{server_section, Gateway};

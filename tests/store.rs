@@ -1,6 +1,9 @@
 //! The state store as an operator sees it: what survives a restart or a crash, what a
 //! corrupt file does to start-up, and what the batched writer promises request paths.
 
+// Integration tests: a failed unwrap is a failed test, and they time the real binary.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

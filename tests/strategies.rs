@@ -1,6 +1,9 @@
 //! Each strategy's distribution over many requests matches its definition (SPEC §5.12),
 //! counted by the mock upstream per credential.
 
+// Integration tests: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use common::gw::{server_section, Gateway};

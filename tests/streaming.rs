@@ -1,6 +1,9 @@
 //! Streaming: SSE chunks pass through unbuffered, a stall after commit ends the stream
 //! with an error event, and a client that disconnects ends the upstream stream.
 
+// Integration tests: a failed unwrap is a failed test, and they time the real binary.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
+
 mod common;
 
 use common::gw::{server_section, Gateway};

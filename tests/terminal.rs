@@ -2,6 +2,9 @@
 //! connection out across a `kill -9` restart until an operator clears them with
 //! `include_terminal`.
 
+// Integration tests: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use common::gw::{server_section, Gateway};

@@ -3,6 +3,9 @@
 //! The request fails over after `stream.ttft_timeout`; when every attempt hung, the
 //! client gets 504 `upstream_timeout` with the attempts listed.
 
+// Integration tests: a failed unwrap is a failed test, and they time the real binary.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::disallowed_methods)]
+
 mod common;
 
 use common::gw::{server_section, Gateway};

@@ -17,7 +17,7 @@
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
@@ -267,9 +267,7 @@ impl MockApp {
             name: &self.name_escaped,
             model: request.model.as_deref().unwrap_or("mock-model"),
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
-            created: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
+            created: crate::clock::unix_ms() / 1000,
             chunks: fault.and_then(|f| f.chunks).unwrap_or(self.chunks),
             prompt_tokens: (body.len() as u64 / 4).max(1),
         };

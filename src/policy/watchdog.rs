@@ -305,7 +305,7 @@ impl ThroughputWatchdog {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::sse::SseAssembler;
+    use crate::sse::SseAssembler;
     use proptest::prelude::*;
 
     const T0: Millis = 1_700_000_000_000;

@@ -15,6 +15,7 @@
 use super::ctx::{Request, RequestCtx};
 use super::upstream;
 use super::watch::{ClientWatch, Wait};
+use crate::clock::monotonic;
 use crate::engine::Pick;
 use crate::policy::classify::TransportKind;
 use bytes::{Bytes, BytesMut};
@@ -72,12 +73,12 @@ pub(super) struct Call<'r, 'a> {
 
 impl Call<'_, '_> {
     fn left(&self) -> Duration {
-        self.deadline.saturating_duration_since(Instant::now())
+        self.deadline.saturating_duration_since(monotonic())
     }
 
     /// A wait that hit its limit: the deadline's, or the first-byte budget's.
     fn timed_out(&self) -> AttemptEnd {
-        if Instant::now() >= self.deadline {
+        if monotonic() >= self.deadline {
             AttemptEnd::Deadline
         } else {
             AttemptEnd::Transport(TransportKind::Timeout, "no first byte within ttft_timeout")
@@ -127,7 +128,7 @@ async fn phases(
     ctx: &mut RequestCtx,
 ) -> Result<AttemptEnd, AttemptEnd> {
     let (mut up, peer, reused) = connect(session, watch, call).await?;
-    let mut sent_at = Instant::now();
+    let mut sent_at = monotonic();
     let ttft = call.req.snap.config.resilience.stream.ttft_timeout;
     let mut first_byte_by = (sent_at + ttft).min(call.deadline);
     let header = match send(session, watch, call, &mut up, first_byte_by).await {
@@ -138,7 +139,7 @@ async fn phases(
         Err(AttemptEnd::Transport(TransportKind::Reset, what)) if reused && what == CONN_FAILED => {
             let got = call.req.engine.connector.get_http_session(&peer);
             up = session_of(watch.race(session, call.left(), got).await)?.0;
-            sent_at = Instant::now();
+            sent_at = monotonic();
             first_byte_by = (sent_at + ttft).min(call.deadline);
             send(session, watch, call, &mut up, first_byte_by).await?
         }
@@ -170,7 +171,7 @@ async fn connect(
     let p = &call.req.snap.config.providers[call.pick.provider];
     let lookup = engine
         .resolver
-        .resolve(&p.base_url.host, p.base_url.port, Instant::now());
+        .resolve(&p.base_url.host, p.base_url.port, monotonic());
     let addr = match watch.race(session, call.left(), lookup).await {
         Wait::Ready(Ok(a)) => a,
         Wait::Ready(Err(_)) => {
@@ -243,7 +244,7 @@ async fn send(
             }
         }
     };
-    let limit = first_byte_by.saturating_duration_since(Instant::now());
+    let limit = first_byte_by.saturating_duration_since(monotonic());
     match watch.race(session, limit, exchange).await {
         Wait::Ready(Ok(())) => {}
         Wait::Ready(Err(_)) => {
@@ -324,7 +325,7 @@ async fn first_chunk(
     if up.response_done() {
         return Ok(None);
     }
-    let limit = first_byte_by.saturating_duration_since(Instant::now());
+    let limit = first_byte_by.saturating_duration_since(monotonic());
     match watch.race(session, limit, up.read_response_body()).await {
         Wait::Ready(Ok(c)) => Ok(c),
         Wait::Ready(Err(_)) => Err(AttemptEnd::Transport(

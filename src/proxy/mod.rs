@@ -19,11 +19,11 @@ pub mod queue;
 pub mod resolve;
 pub mod respond;
 pub mod routes;
-pub mod sse;
 pub mod stream;
 pub mod upstream;
 pub mod watch;
 
+use crate::clock::monotonic;
 use crate::codes::ErrorCode;
 use crate::config::Family;
 use crate::engine::Engine;
@@ -36,7 +36,6 @@ use pingora::proxy::{FailToProxy, ProxyHttp, Session};
 use routes::Route;
 use serde_json::json;
 use std::sync::Arc;
-use std::time::Instant;
 
 /// The client-facing gateway service.
 pub struct Gateway {
@@ -81,7 +80,7 @@ impl ProxyHttp for Gateway {
     type CTX = RequestCtx;
 
     fn new_ctx(&self) -> RequestCtx {
-        RequestCtx::new(Instant::now())
+        RequestCtx::new(monotonic())
     }
 
     async fn request_filter(

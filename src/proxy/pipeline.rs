@@ -17,6 +17,7 @@ use super::queue::{wait_for_permit, Permitted};
 use super::respond;
 use super::stream::{stream, StreamEnd};
 use super::watch::ClientWatch;
+use crate::clock::monotonic;
 use crate::codes::ErrorCode;
 use crate::engine::judge::Verdict;
 use crate::engine::permits::PermitGuard;
@@ -42,7 +43,7 @@ pub async fn run(
     let exec = req.snap.config.resilience.queue.execution_timeout;
     let mut fsm = Failover::new(limits(&req, now, exec));
     let mut d = Driver {
-        deadline: Instant::now() + exec,
+        deadline: monotonic() + exec,
         req,
         watch: ClientWatch::default(),
         slot: None,

@@ -58,17 +58,18 @@ impl Resolver {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::monotonic;
 
     #[tokio::test]
     async fn literals_and_localhost() {
         let r = Resolver::default();
-        let a = r.resolve("127.0.0.1", 80, Instant::now()).await.unwrap();
+        let a = r.resolve("127.0.0.1", 80, monotonic()).await.unwrap();
         assert_eq!(a, "127.0.0.1:80".parse().unwrap());
-        let l = r.resolve("localhost", 81, Instant::now()).await.unwrap();
+        let l = r.resolve("localhost", 81, monotonic()).await.unwrap();
         assert!(l.ip().is_loopback());
         assert_eq!(l.port(), 81);
         assert!(r
-            .resolve("no-such-host.invalid", 80, Instant::now())
+            .resolve("no-such-host.invalid", 80, monotonic())
             .await
             .is_err());
     }

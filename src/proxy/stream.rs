@@ -17,10 +17,11 @@ use super::attempt::{Committed, POOL_IDLE};
 use super::ctx::Request;
 use super::framing::EventBoundary;
 use super::respond;
-use super::sse::{SseAssembler, SseEvent, SseProgress};
 use super::watch::{ClientWatch, Wait};
+use crate::clock::monotonic;
 use crate::codes::AbortReason;
 use crate::policy::watchdog::{classify_event, ThroughputWatchdog, WatchdogConfig};
+use crate::sse::{SseAssembler, SseEvent, SseProgress};
 use bytes::Bytes;
 use pingora::proxy::Session;
 use std::time::Instant;
@@ -92,7 +93,7 @@ impl<'r, 'a> Pump<'r, 'a> {
             progress: SseProgress::default(),
             boundary: EventBoundary::default(),
             watchdog: Watch::new(req, is_sse),
-            last_progress: Instant::now(),
+            last_progress: monotonic(),
         }
     }
 
@@ -111,7 +112,7 @@ impl<'r, 'a> Pump<'r, 'a> {
                     return end;
                 }
             }
-            let now = Instant::now();
+            let now = monotonic();
             let limit = (self.last_progress + stall)
                 .min(self.deadline)
                 .saturating_duration_since(now);
@@ -128,7 +129,7 @@ impl<'r, 'a> Pump<'r, 'a> {
                     };
                 }
                 Wait::Ready(Err(_)) => return self.fail(session, AbortReason::UpstreamError).await,
-                Wait::TimedOut if Instant::now() >= self.deadline => {
+                Wait::TimedOut if monotonic() >= self.deadline => {
                     return self.fail(session, AbortReason::ExecutionTimeout).await
                 }
                 Wait::TimedOut => return self.fail(session, AbortReason::Stall).await,
@@ -140,7 +141,7 @@ impl<'r, 'a> Pump<'r, 'a> {
     /// Passes one chunk on, unless the watchdog ends the stream on it.
     async fn forward(&mut self, session: &mut Session, chunk: Bytes) -> Option<StreamEnd> {
         if !self.is_sse || self.progress.feed(&chunk) {
-            self.last_progress = Instant::now();
+            self.last_progress = monotonic();
         }
         let now = self.req.engine.now();
         if self

@@ -14,7 +14,6 @@ use std::ffi::OsString;
 use std::io::ErrorKind;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use ::redb::{Database, ReadableTable, TableDefinition, TableError};
 
@@ -234,10 +233,7 @@ fn guarded<T>(path: &Path, f: impl FnOnce() -> Result<T, StoreError>) -> Result<
 /// Renames `path` to `<path>.corrupt-<unix-seconds>` (with `-N` appended if that name is
 /// taken, so an earlier casualty is never overwritten) and returns the new name.
 fn move_aside(path: &Path) -> Result<PathBuf, StoreError> {
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
+    let secs = crate::clock::unix_ms() / 1000;
     for attempt in 0..1000u32 {
         let mut name = OsString::from(path.as_os_str());
         name.push(format!(".corrupt-{secs}"));

@@ -1,11 +1,13 @@
-//! Server-sent-event progress tracking for the stall guard (SPEC §5.9).
+//! Server-sent-event parsing for the stream guards (SPEC §5.9): pure byte-level state
+//! machines with no I/O, shared by the Pingora glue (`proxy::stream`) and the tests of
+//! the watchdog policy; nothing here knows a socket or a clock.
 //!
-//! Upstream chunk boundaries are not event boundaries, so this keeps a little state
-//! across chunks: whether the event being assembled carries data, and whether it is a
-//! heartbeat (`event: ping`). Comments (`:` lines), pings and events whose `data:` is
-//! empty never count as progress; any other event with data does (reasoning/thinking
-//! deltas included). Only
-//! the start of an unfinished line is kept (bounded), never the stream itself.
+//! `SseProgress` tracks progress for the stall guard. Upstream chunk boundaries are not
+//! event boundaries, so it keeps a little state across chunks: whether the event being
+//! assembled carries data, and whether it is a heartbeat (`event: ping`). Comments (`:`
+//! lines), pings and events whose `data:` is empty never count as progress; any other
+//! event with data does (reasoning/thinking deltas included). Only the start of an
+//! unfinished line is kept (bounded), never the stream itself.
 //!
 //! `SseAssembler` goes one step further for the throughput watchdog: it rebuilds whole
 //! events (`event:` name and joined `data:` lines) from arbitrary chunk boundaries, with
