@@ -58,6 +58,20 @@ fn assert_about_one_second(took: Duration) {
     );
 }
 
+/// `a` is `upstream`, `b` a healthy mock: one request must end on `b` after about
+/// `ttft_timeout`. Returns the gateway (its mock `b` has served one request).
+fn fails_over_in_about_one_second(upstream: &RawUpstream) -> Gateway {
+    let b = Mock::start_named("b", &[]);
+    let gw = Gateway::start(&config(&upstream.base_url(), &b.base_url()), KEY);
+    let t = Instant::now();
+    let r = gw.chat(r#"{"model":"m"}"#);
+    assert_about_one_second(t.elapsed());
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-sluice-provider"), Some("b"));
+    assert_eq!(b.route_count("/v1/chat/completions"), 1);
+    gw
+}
+
 #[test]
 fn a_silent_upstream_fails_over_after_ttft_without_streaming() {
     let silent = RawUpstream::start(vec![Step::Hang]);
@@ -111,13 +125,7 @@ fn a_header_without_a_body_is_silent_too() {
         )),
         Step::Hang,
     ]);
-    let b = Mock::start_named("b", &[]);
-    let gw = Gateway::start(&config(&half.base_url(), &b.base_url()), KEY);
-    let t = Instant::now();
-    let r = gw.chat(r#"{"model":"m"}"#);
-    assert_about_one_second(t.elapsed());
-    assert_eq!(r.status, 200, "{}", r.text());
-    assert_eq!(r.header("x-sluice-provider"), Some("b"));
+    fails_over_in_about_one_second(&half);
 }
 
 #[test]
@@ -176,13 +184,7 @@ fn an_error_header_without_its_body_fails_over_after_ttft_not_the_stall_timeout(
         )),
         Step::Hang,
     ]);
-    let b = Mock::start_named("b", &[]);
-    let gw = Gateway::start(&config(&half.base_url(), &b.base_url()), KEY);
-    let t = Instant::now();
-    let r = gw.chat(r#"{"model":"m"}"#);
-    assert_about_one_second(t.elapsed());
-    assert_eq!(r.status, 200, "{}", r.text());
-    assert_eq!(r.header("x-sluice-provider"), Some("b"));
+    let gw = fails_over_in_about_one_second(&half);
     assert_eq!(breaker_failures(&gw, "a"), 1);
 }
 

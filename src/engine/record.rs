@@ -9,6 +9,7 @@
 use super::select::breaker_config;
 use super::state::{change, conn_key, lock, ConnEntry};
 use super::{Engine, Pick, Snapshot};
+use crate::config::{Config, Connection, Provider};
 use crate::policy::breaker::Transition;
 use crate::policy::classify::counts_for_breaker;
 use crate::policy::cooldown::{base_for, CooldownConfig, Effect, Failure};
@@ -248,24 +249,16 @@ impl Engine {
             changes.push(change(Table::Connections, &key, Some(&*e)));
         }
         drop(e);
-        if let (Some((until, reason)), Some(bucket)) = (bucket_until, conn.bucket.as_ref()) {
-            for (pi, other_p) in cfg.providers.iter().enumerate() {
-                for (ci, other) in other_p.connections.iter().enumerate() {
-                    if other.bucket.as_ref() != Some(bucket)
-                        || (pi, ci) == (a.pick.provider, a.pick.connection)
-                        || other.disable_cooling
-                    {
-                        continue;
-                    }
-                    let oe = self.tables.connection(&other_p.id, &other.id);
-                    let mut oe = lock(&oe);
-                    if oe.state.apply_shared(until, reason, now) {
-                        changes.push(change(
-                            Table::Connections,
-                            &conn_key(&other_p.id, &other.id),
-                            Some(&*oe),
-                        ));
-                    }
+        if let Some((until, reason)) = bucket_until {
+            for (other_p, other) in bucket_siblings(cfg, a.pick) {
+                let oe = self.tables.connection(&other_p.id, &other.id);
+                let mut oe = lock(&oe);
+                if oe.state.apply_shared(until, reason, now) {
+                    changes.push(change(
+                        Table::Connections,
+                        &conn_key(&other_p.id, &other.id),
+                        Some(&*oe),
+                    ));
                 }
             }
         }
@@ -344,28 +337,40 @@ impl Engine {
         status: u16,
         changes: &mut Vec<Change>,
     ) {
-        let cfg = &a.snap.config;
-        let Some(bucket) = cfg.providers[a.pick.provider].connections[a.pick.connection]
-            .bucket
-            .as_ref()
-        else {
-            return;
-        };
-        for (pi, p) in cfg.providers.iter().enumerate() {
-            for (ci, c) in p.connections.iter().enumerate() {
-                if c.bucket.as_ref() != Some(bucket)
-                    || (pi, ci) == (a.pick.provider, a.pick.connection)
-                    || c.disable_cooling
-                {
-                    continue;
-                }
-                let (changed, change) = self.tables.with_lockout(&p.id, &c.id, model_key, |e| {
-                    e.lock.apply_shared(until, reason, status)
-                });
-                if changed {
-                    changes.push(change);
-                }
+        for (p, c) in bucket_siblings(&a.snap.config, a.pick) {
+            let (changed, change) = self.tables.with_lockout(&p.id, &c.id, model_key, |e| {
+                e.lock.apply_shared(until, reason, status)
+            });
+            if changed {
+                changes.push(change);
             }
         }
     }
+}
+
+/// The other connections of the picked connection's quota bucket that take a shared
+/// timer: not the picked one, not those with `disable_cooling`. Empty without a bucket.
+fn bucket_siblings(cfg: &Config, pick: Pick) -> Vec<(&Provider, &Connection)> {
+    let Some(bucket) = cfg.providers[pick.provider].connections[pick.connection]
+        .bucket
+        .as_ref()
+    else {
+        return Vec::new();
+    };
+    cfg.providers
+        .iter()
+        .enumerate()
+        .flat_map(|(pi, p)| {
+            p.connections
+                .iter()
+                .enumerate()
+                .map(move |(ci, c)| ((pi, ci), p, c))
+        })
+        .filter(|&((pi, ci), _, c)| {
+            c.bucket.as_ref() == Some(bucket)
+                && (pi, ci) != (pick.provider, pick.connection)
+                && !c.disable_cooling
+        })
+        .map(|(_, p, c)| (p, c))
+        .collect()
 }
