@@ -112,8 +112,17 @@ pub fn check(path: &Path, out: &mut dyn Write) -> i32 {
 /// `sluice state clear-overrides`: deletes every stored runtime override; returns the
 /// process exit code. The store must not be open in a running gateway.
 pub fn clear_overrides(path: &Path, out: &mut dyn Write) -> i32 {
-    let prepared = match prepare(path, &env_lookup, &Default::default(), 1) {
-        Ok(p) => p,
+    // Only `state.path` is needed: secrets named by `*_env` keys that the environment
+    // does not hold (an operator's maintenance shell) stand in as placeholders, unused.
+    let config = crate::config::read_source(path).and_then(|t| {
+        let secrets = secret_env_names(&t.text);
+        let lookup = |name: &str| {
+            env_lookup(name).or_else(|| secrets.contains(name).then(|| "unused".to_string()))
+        };
+        crate::config::parse_str(&t.text, &t.file, &t.dir, &lookup).map(|l| l.config)
+    });
+    let config = match config {
+        Ok(c) => c,
         Err(problems) => {
             for p in &problems {
                 let _ = writeln!(out, "error: {p}");
@@ -121,7 +130,7 @@ pub fn clear_overrides(path: &Path, out: &mut dyn Write) -> i32 {
             return 1;
         }
     };
-    let state_path = &prepared.snapshot.config.state_path;
+    let state_path = &config.state_path;
     if !state_path.exists() {
         let _ = writeln!(
             out,
@@ -166,6 +175,32 @@ pub fn clear_overrides(path: &Path, out: &mut dyn Write) -> i32 {
             1
         }
     }
+}
+
+/// The environment variables a config names for its secrets (the values of every
+/// `*_env` key, at any depth).
+fn secret_env_names(text: &str) -> std::collections::BTreeSet<String> {
+    fn walk(v: &serde_yaml::Value, out: &mut std::collections::BTreeSet<String>) {
+        match v {
+            serde_yaml::Value::Mapping(m) => {
+                for (k, v) in m {
+                    match (k.as_str(), v.as_str()) {
+                        (Some(k), Some(name)) if k.ends_with("_env") => {
+                            out.insert(name.to_string());
+                        }
+                        _ => walk(v, out),
+                    }
+                }
+            }
+            serde_yaml::Value::Sequence(items) => items.iter().for_each(|i| walk(i, out)),
+            _ => {}
+        }
+    }
+    let mut out = std::collections::BTreeSet::new();
+    if let Ok(root) = serde_yaml::from_str::<serde_yaml::Value>(text) {
+        walk(&root, &mut out);
+    }
+    out
 }
 
 /// `sluice run`: binds both listeners, prints `LISTENING <name> <addr>` for each, and

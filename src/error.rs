@@ -35,7 +35,7 @@ impl ClientError {
     }
 
     pub fn with_retry_after(mut self, secs: u64) -> Self {
-        self.retry_after = Some(secs.max(1));
+        self.retry_after = Some(crate::policy::client_retry_after(secs));
         self
     }
 

@@ -144,25 +144,40 @@ models:
     targets:
       - {{ provider: a, model: dear, cost: 5.0 }}
       - {{ provider: b, model: cheap, cost: 0.5 }}
+  - name: turns
+    strategy: round-robin
+    targets:
+      - {{ provider: a, model: first }}
+      - {{ provider: b, model: second }}
 ",
         server_section(""),
         a.base_url(),
         b.base_url()
     );
     let gw = Gateway::start(&yaml, &[("KEY", "k")]);
-    let order = |gw: &Gateway| -> Vec<String> {
-        gw.admin_get("/api/routes/explain?model=cheap-first").json()["families"][0]["candidates"]
+    let order = |gw: &Gateway, model: &str| -> Vec<String> {
+        gw.admin_get(&format!("/api/routes/explain?model={model}"))
+            .json()["families"][0]["candidates"]
             .as_array()
             .unwrap()
             .iter()
             .map(|c| c["model"].as_str().unwrap().to_string())
             .collect()
     };
-    assert_eq!(order(&gw), vec!["cheap", "dear"]);
-    // What a request does agrees, and a dry run does not disturb it.
-    assert_eq!(order(&gw), vec!["cheap", "dear"]);
+    assert_eq!(order(&gw, "cheap-first"), vec!["cheap", "dear"]);
     let r = gw.chat(r#"{"model":"cheap-first"}"#);
     assert_eq!(r.header("x-sluice-model"), Some("cheap"));
     assert_eq!(b.route_count("/v1/chat/completions"), 1);
     assert_eq!(a.route_count("/v1/chat/completions"), 0);
+
+    // A rotating strategy: explain shows whose turn it is, and looking (twice) does not
+    // move the rotation a real request sees.
+    let turns = |gw: &Gateway| order(gw, "turns");
+    assert_eq!(turns(&gw), vec!["first", "second"]);
+    assert_eq!(turns(&gw), vec!["first", "second"]);
+    let r = gw.chat(r#"{"model":"turns"}"#);
+    assert_eq!(r.header("x-sluice-model"), Some("first"));
+    assert_eq!(turns(&gw), vec!["second", "first"]);
+    let r = gw.chat(r#"{"model":"turns"}"#);
+    assert_eq!(r.header("x-sluice-model"), Some("second"));
 }

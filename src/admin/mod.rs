@@ -345,7 +345,7 @@ mod tests {
         let (ready, details) = readiness(&engine);
         assert!(ready);
         assert_eq!(details["store"]["state"], "failing");
-        assert_eq!(details["store"]["consecutive_failures"], 1);
+        assert!(details["store"]["consecutive_failures"].as_u64() >= Some(1));
 
         // A stopped writer is not ready, and says why.
         let _ = writer.flush().await;

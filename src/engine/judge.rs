@@ -12,7 +12,7 @@ use super::record::{AttemptInfo, Outcome};
 use super::Engine;
 use crate::policy::classify::{classify, ErrorInput, TransportKind};
 use crate::policy::retry_hint::parse_hint;
-use crate::policy::{retry_after_secs, Classification};
+use crate::policy::{client_retry_after, retry_after_secs, Classification};
 use crate::store::Change;
 
 /// What the attempt loop needs to decide and to answer.
@@ -25,14 +25,6 @@ pub struct Verdict {
     pub retry_after: Option<u64>,
     /// Terminal-state changes to commit before answering.
     pub urgent: Vec<Change>,
-}
-
-/// The longest `Retry-After` a client is told (SPEC §3): a day.
-const MAX_CLIENT_RETRY_AFTER_S: u64 = 86_400;
-
-/// A client's `Retry-After` is whole seconds in `1..=86400`, whatever the upstream said.
-fn clamp_retry_after(secs: u64) -> u64 {
-    secs.clamp(1, MAX_CLIENT_RETRY_AFTER_S)
 }
 
 /// A short, single-line excerpt of an upstream error body for `last_error`.
@@ -104,7 +96,7 @@ impl Engine {
             }
             _ => None,
         }
-        .map(clamp_retry_after);
+        .map(client_retry_after);
         Verdict {
             status,
             class,
@@ -173,12 +165,12 @@ impl Engine {
 
 #[cfg(test)]
 mod tests {
-    use super::clamp_retry_after;
+    use crate::policy::client_retry_after;
 
     #[test]
     fn client_retry_after_is_clamped_to_a_second_and_a_day() {
-        assert_eq!(clamp_retry_after(0), 1);
-        assert_eq!(clamp_retry_after(30), 30);
-        assert_eq!(clamp_retry_after(343_611_483), 86_400);
+        assert_eq!(client_retry_after(0), 1);
+        assert_eq!(client_retry_after(30), 30);
+        assert_eq!(client_retry_after(343_611_483), 86_400);
     }
 }

@@ -594,6 +594,30 @@ mod tests {
         let x = &eval.excluded[0];
         assert_eq!(x.reason, select::ExclusionReason::CircuitOpen);
         assert_eq!(x.until, Some(now + 15_000));
+
+        // A connection cooldown that ends after the half-open time is what the
+        // candidate waits for: reported as the breaker, at the later time.
+        let entry = e.tables.connection("p", "c");
+        let pick = Pick {
+            target: 0,
+            provider: 0,
+            connection: 0,
+        };
+        let ccfg = e.cooldown_config(&snap, pick);
+        let failure = crate::policy::cooldown::Failure {
+            attempt_started: now + 1,
+            reason: crate::policy::Reason::RateLimitExceeded,
+            status: Some(429),
+            hint: Some(std::time::Duration::from_secs(60)),
+            rule_cooldown: None,
+            terminal: None,
+            message: "slow down",
+        };
+        lock(&entry).state.record_failure(&failure, &ccfg, now + 1);
+        let eval = select::evaluate(&e, &snap, 0, Family::OpenAi, &asker, now + 1);
+        let x = &eval.excluded[0];
+        assert_eq!(x.reason, select::ExclusionReason::CircuitOpen);
+        assert_eq!(x.until, Some(now + 1 + 60_000));
     }
 
     #[test]

@@ -170,26 +170,6 @@ pub fn evaluate(
                 ));
                 continue;
             }
-            // A failing provider is reported as such even when its connection is also
-            // cooling: a breaker or window gate is never a timer to wait out (§5.8).
-            if let Permit::Deny { retry_at } = permit {
-                out.excluded.push(excluded(
-                    ExclusionReason::CircuitOpen,
-                    Some(retry_at),
-                    None,
-                    Some(Reason::ServerError),
-                ));
-                continue;
-            }
-            if let Some(until) = window_until {
-                out.excluded.push(excluded(
-                    ExclusionReason::ProviderCooldown,
-                    Some(until),
-                    None,
-                    Some(Reason::ServerError),
-                ));
-                continue;
-            }
             let cooling = match conn_state {
                 Some((Eligibility::Cooling { until }, cause)) => {
                     Some((ExclusionReason::ConnectionCooldown, until, cause))
@@ -208,6 +188,24 @@ pub fn evaluate(
                 (Some(a), Some(b)) => Some(if b.1 > a.1 { b } else { a }),
                 (a, b) => a.or(b),
             };
+            // A failing provider is reported as such even when its connection is also
+            // cooling: a breaker or window gate is never a timer to wait out (§5.8). Its
+            // time is the later of the gate's and the connection's own timer.
+            let gate = match (permit, window_until) {
+                (Permit::Deny { retry_at }, _) => Some((ExclusionReason::CircuitOpen, retry_at)),
+                (_, Some(until)) => Some((ExclusionReason::ProviderCooldown, until)),
+                _ => None,
+            };
+            if let Some((reason, until)) = gate {
+                let until = timer.map_or(until, |t| until.max(t.1));
+                out.excluded.push(excluded(
+                    reason,
+                    Some(until),
+                    None,
+                    Some(Reason::ServerError),
+                ));
+                continue;
+            }
             if let Some((reason, until, cause)) = timer {
                 out.excluded
                     .push(excluded(reason, Some(until), None, cause));

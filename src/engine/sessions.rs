@@ -15,10 +15,10 @@ use crate::config::Client;
 use crate::policy::affinity::Pin;
 use crate::policy::breaker::Permit;
 use crate::policy::cooldown::Eligibility;
-use crate::policy::lease::{Lease, LeaseError};
+use crate::policy::lease::{Lease, LeaseError, LeaseTable};
 use crate::policy::Millis;
 use crate::routing::parse_rate_limit;
-use crate::store::{Change, Image, StoreError, Table};
+use crate::store::{Change, CommitWait, Image, StoreError, Table};
 use std::time::Duration;
 
 /// Why none of a client's connections can be leased right now.
@@ -87,29 +87,38 @@ impl Engine {
         (eligible, soonest)
     }
 
-    fn lease_changes(&self, removed: &[String]) -> Vec<Change> {
-        let table = lock(&self.leases);
-        let mut out: Vec<Change> = table
-            .rows()
-            .into_iter()
-            .map(|(k, v)| Change {
-                table: Table::Leases,
-                key: k,
-                value: Some(v),
-            })
-            .collect();
-        out.extend(removed.iter().map(|k| Change {
-            table: Table::Leases,
-            key: k.clone(),
-            value: None,
-        }));
-        out
+    /// Applies `f` to the lease table and, when it says so (`Some(removed)`), queues the
+    /// table's rows plus deletes of `removed` for commit, all under the table's lock: the
+    /// writer keeps the last value per key, so snapshots must reach it in the order the
+    /// changes were made, or an older one could bring back a released lease.
+    fn change_leases<R>(
+        &self,
+        f: impl FnOnce(&mut LeaseTable) -> (R, Option<Vec<String>>),
+    ) -> (R, Option<CommitWait>) {
+        let mut table = lock(&self.leases);
+        let (r, removed) = f(&mut table);
+        let wait = match (removed, &self.store) {
+            (Some(removed), Some(store)) => {
+                let mut changes: Vec<Change> = table
+                    .rows()
+                    .into_iter()
+                    .map(|(k, v)| Change::upsert(Table::Leases, k, v))
+                    .collect();
+                changes.extend(
+                    removed
+                        .into_iter()
+                        .map(|k| Change::delete(Table::Leases, k)),
+                );
+                Some(store.queue_commit(changes))
+            }
+            _ => None,
+        };
+        (r, wait)
     }
 
-    async fn commit_leases(&self, removed: &[String]) -> Result<(), StoreError> {
-        let changes = self.lease_changes(removed);
-        match &self.store {
-            Some(store) => store.commit_now(changes).await.inspect_err(|e| {
+    async fn committed(wait: Option<CommitWait>) -> Result<(), StoreError> {
+        match wait {
+            Some(w) => w.wait().await.inspect_err(|e| {
                 tracing::error!(error = %e, "lease change not persisted");
             }),
             None => Ok(()),
@@ -125,24 +134,23 @@ impl Engine {
         let now = self.now();
         let (eligible, soonest) = self.lease_candidates(snap, client, now);
         let random: [u8; 32] = rand::random();
-        let result = {
-            let mut table = lock(&self.leases);
+        let (result, wait) = self.change_leases(|table| {
             let pruned = table.prune(now);
-            table
-                .acquire(&client.id, &eligible, ttl, random, now)
-                .map(|ok| (ok, pruned))
-        };
+            let r = table.acquire(&client.id, &eligible, ttl, random, now);
+            let persist = r.is_ok().then_some(pruned);
+            (r, persist)
+        });
         match result {
-            Ok(((token, lease), pruned)) => match self.commit_leases(&pruned).await {
+            Ok((token, lease)) => match Self::committed(wait).await {
                 Ok(()) => Ok((token, lease)),
                 Err(e) => {
                     // Not durable, so not granted: take it back and queue the undo (the
                     // failed commit stays queued and could otherwise land later).
-                    let _ = lock(&self.leases).release(&client.id, &token, self.now());
-                    let undo = self.lease_changes(std::slice::from_ref(&lease.owner_hash));
-                    if let Some(store) = &self.store {
-                        store.submit(undo);
-                    }
+                    let hash = lease.owner_hash.clone();
+                    let ((), _undo) = self.change_leases(|table| {
+                        let _ = table.release(&client.id, &token, now);
+                        ((), Some(vec![hash]))
+                    });
                     Err(LeaseRefusal::Store(e))
                 }
             },
@@ -158,21 +166,35 @@ impl Engine {
         ttl: Option<Duration>,
     ) -> Result<Lease, LeaseFailure> {
         let now = self.now();
-        let lease = lock(&self.leases)
-            .renew(&client.id, owner, ttl, now)
-            .map_err(LeaseFailure::Lease)?;
-        self.commit_leases(&[]).await.map_err(LeaseFailure::Store)?;
+        let (renewed, wait) = self.change_leases(|table| {
+            let r = table.renew(&client.id, owner, ttl, now);
+            let persist = r.is_ok().then(Vec::new);
+            (r, persist)
+        });
+        let lease = renewed.map_err(LeaseFailure::Lease)?;
+        Self::committed(wait).await.map_err(LeaseFailure::Store)?;
         Ok(lease)
     }
 
+    /// A release whose commit fails puts the lease back (the client is told it failed,
+    /// so a retried release must find it, and memory must not say "free" while the
+    /// store still says "held").
     pub async fn lease_release(&self, client: &Client, owner: &str) -> Result<Lease, LeaseFailure> {
         let now = self.now();
-        let lease = lock(&self.leases)
-            .release(&client.id, owner, now)
-            .map_err(LeaseFailure::Lease)?;
-        self.commit_leases(std::slice::from_ref(&lease.owner_hash))
-            .await
-            .map_err(LeaseFailure::Store)?;
+        let (released, wait) = self.change_leases(|table| {
+            let r = table.release(&client.id, owner, now);
+            let persist = r.as_ref().ok().map(|l| vec![l.owner_hash.clone()]);
+            (r, persist)
+        });
+        let lease = released.map_err(LeaseFailure::Lease)?;
+        if let Err(e) = Self::committed(wait).await {
+            let back = lease.clone();
+            let ((), _redo) = self.change_leases(|table| {
+                table.restore(back, now);
+                ((), Some(Vec::new()))
+            });
+            return Err(LeaseFailure::Store(e));
+        }
         Ok(lease)
     }
 
@@ -198,11 +220,19 @@ impl Engine {
     ) -> Option<Lease> {
         let now = self.now();
         let (eligible, _) = self.lease_candidates(snap, client, now);
-        let moved = lock(&self.leases).relocate(&lease.owner_hash, &eligible, now)?;
+        let (moved, wait) = self.change_leases(|table| {
+            let moved = table.relocate(&lease.owner_hash, &eligible, now);
+            let persist = moved
+                .as_ref()
+                .filter(|m| m.connection != lease.connection)
+                .map(|_| Vec::new());
+            (moved, persist)
+        });
+        let moved = moved?;
         if moved.connection != lease.connection {
             tracing::info!(client = %client.id, from = %lease.connection, to = %moved.connection, "lease moved");
             // The request goes on either way; a failed commit stays queued and is retried.
-            let _ = self.commit_leases(&[]).await;
+            let _ = Self::committed(wait).await;
         }
         Some(moved)
     }
@@ -335,7 +365,14 @@ mod tests {
             engine.lease_release(&client, &token).await,
             Err(LeaseFailure::Store(_))
         ));
-        // At least the three refused commits (the writer's own tick may add retries).
+        // The failed release put the lease back: memory agrees with the store, and the
+        // client's retry finds it.
+        assert!(engine.lease_check("team", &token, lease.generation).is_ok());
         assert!(writer.health().failed_commits >= 3);
+        store.failing.store(false, Ordering::SeqCst);
+        assert!(engine.lease_release(&client, &token).await.is_ok());
+        assert_eq!(lock(&engine.leases).active_count(engine.now()), 0);
+        let stored = store.load().unwrap()[&Table::Leases].clone();
+        assert!(!stored.contains_key(&lease.owner_hash), "{stored:?}");
     }
 }

@@ -191,7 +191,7 @@ impl Refusal {
     }
 
     fn retry_in(mut self, secs: u64) -> Self {
-        self.retry_after = Some(secs.max(1));
+        self.retry_after = Some(super::client_retry_after(secs));
         self
     }
 }
@@ -272,11 +272,18 @@ impl Failover {
                 if latest <= now {
                     return self.queue_refusal(ErrorCode::QueueTimeout, now);
                 }
-                // The wait never runs into the reserve; failing open then still leaves
-                // the attempt that budget (a fail-open gateway is never turned into a
-                // fail-closed one by a short execution timeout).
+                // When the budget is shorter than `queue.wait`, the wait takes at most
+                // half of what the attempt could use, so failing open (or refusing) still
+                // leaves the attempt a real share of the budget: a fail-open gateway is
+                // never turned into a fail-closed one by a short execution timeout, nor
+                // into one that runs attempts bound to hit the deadline.
+                let until = if by_queue <= latest {
+                    by_queue
+                } else {
+                    now + (latest - now) / 2
+                };
                 Next::Queue {
-                    until: by_queue.min(latest),
+                    until,
                     fail_open: self.limits.fail_open,
                 }
             }
@@ -863,13 +870,13 @@ mod tests {
                 fail_open: true
             }
         );
-        // The budget binds first: wait until the reserve, then still fail open (the
-        // attempt keeps the reserve).
+        // The budget binds first: wait at most half of what is left before the
+        // reserve, then still fail open (the attempt keeps the other half).
         let mut f = with(|l| l.deadline = T0 + 10 * SEC);
         assert_eq!(
             f.on_offer(Offer::Full, T0),
             Next::Queue {
-                until: T0 + 9 * SEC,
+                until: T0 + 4_500,
                 fail_open: true
             }
         );
@@ -910,6 +917,16 @@ mod tests {
         assert_eq!((r.code, r.retry_after), (ErrorCode::QueueFull, Some(1)));
         let r = refusal(f.on_queued(Queued::TimedOut, T0));
         assert_eq!(r.code, ErrorCode::QueueTimeout);
+    }
+
+    #[test]
+    fn a_month_long_timer_is_told_as_a_day() {
+        // A classification rule may cool a connection for 30 days; the client hears 24 h.
+        let mut f = Failover::new(limits());
+        let month = 30 * 86_400 * SEC;
+        let r = refusal(f.on_offer(Offer::Empty(&[cooling(Reason::AuthError, month)]), T0));
+        assert_eq!(r.code, ErrorCode::AllTargetsCoolingDown);
+        assert_eq!(r.retry_after, Some(86_400));
     }
 
     #[test]

@@ -293,6 +293,20 @@ impl LeaseTable {
         Ok(lease)
     }
 
+    /// Puts back a lease that was just released (its release could not be made
+    /// durable), unless it expired or its owner or connection was taken meanwhile.
+    /// Returns whether it is back.
+    pub fn restore(&mut self, lease: Lease, now: Millis) -> bool {
+        if !lease.is_active(now)
+            || self.leases.contains_key(&lease.owner_hash)
+            || self.held_by_other(&lease.connection, None, now).is_some()
+        {
+            return false;
+        }
+        self.leases.insert(lease.owner_hash.clone(), lease);
+        true
+    }
+
     /// The lease's connection became ineligible: move it (same generation, same expiry) to
     /// the first connection of `eligible` not held by another active lease. Returns the
     /// updated lease, or `None` if the lease is unknown/expired or nothing is free (the
@@ -1130,5 +1144,23 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_released_lease_can_be_put_back_unless_its_place_was_taken() {
+        let mut t = LeaseTable::new();
+        let (tok, lease) = t.acquire("a", &conns(&["p/c"]), None, rnd(1), 0).unwrap();
+        let released = t.release("a", &tok, 1).unwrap();
+        assert!(t.restore(released.clone(), 2));
+        assert_eq!(
+            t.check("a", &tok, lease.generation, 3).unwrap().connection,
+            "p/c"
+        );
+        // Not twice, not once expired, not over someone else's lease.
+        assert!(!t.restore(released.clone(), 4));
+        let released = t.release("a", &tok, 5).unwrap();
+        let (_, _other) = t.acquire("b", &conns(&["p/c"]), None, rnd(2), 6).unwrap();
+        assert!(!t.restore(released.clone(), 7));
+        assert!(!t.restore(released, lease.expires_at + 1));
     }
 }

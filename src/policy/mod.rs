@@ -40,6 +40,15 @@ pub fn retry_after_secs(until: Millis, now: Millis) -> u64 {
     until.saturating_sub(now).div_ceil(1000).max(1)
 }
 
+/// The longest `Retry-After` a client is told (SPEC §3): a day.
+pub const MAX_CLIENT_RETRY_AFTER_S: u64 = 86_400;
+
+/// A `Retry-After` for a client: whole seconds in `1..=86400`, whatever the timer behind
+/// it (a rule may cool a connection for 30 days; the client still hears "a day").
+pub fn client_retry_after(secs: u64) -> u64 {
+    secs.clamp(1, MAX_CLIENT_RETRY_AFTER_S)
+}
+
 /// Why an attempt failed (SPEC §5.11).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -23,6 +23,7 @@ use pingora::http::ResponseHeader;
 use pingora::prelude::HttpPeer;
 use pingora::protocols::http::client::HttpSession;
 use pingora::proxy::Session;
+use pingora::RetryType;
 use std::time::{Duration, Instant};
 
 /// Upstream error bodies are read up to this size (SPEC §2, phase 4).
@@ -31,6 +32,11 @@ pub(super) const POOL_IDLE: Duration = Duration::from_secs(90);
 const WRITE_TIMEOUT: Duration = Duration::from_secs(60);
 /// The upstream connection broke (write or read error) before a whole response header.
 const CONN_FAILED: &str = "upstream connection failed";
+/// The connection was closed or reset right after the request was written, before a
+/// byte of an answer: on a pooled connection, a stale one.
+const STALE: &str = "upstream connection closed before answering";
+/// How soon after the write such a close must come to be taken for a stale connection.
+const STALE_WINDOW: Duration = Duration::from_millis(100);
 
 /// An upstream error response held back (≤ 64 KiB) while failover is still possible.
 pub(super) struct HeldError {
@@ -128,19 +134,22 @@ async fn phases(
     ctx: &mut RequestCtx,
 ) -> Result<AttemptEnd, AttemptEnd> {
     let (mut up, peer, reused) = connect(session, watch, call).await?;
-    let mut sent_at = monotonic();
+    let sent_at = monotonic();
     let ttft = call.req.snap.config.resilience.stream.ttft_timeout;
-    let mut first_byte_by = (sent_at + ttft).min(call.deadline);
+    let first_byte_by = (sent_at + ttft).min(call.deadline);
     let header = match send(session, watch, call, &mut up, first_byte_by).await {
-        // A pooled connection the upstream closed while it sat idle fails before any
-        // byte of an answer: that says nothing about the provider, so the request goes
-        // once more, on the next connection the connector gives (pooled or new), within
-        // the same attempt. Only once: a second failure is the provider's.
-        Err(AttemptEnd::Transport(TransportKind::Reset, what)) if reused && what == CONN_FAILED => {
+        // A pooled connection the upstream closed as it was taken (closed or reset at
+        // once, not one byte of an answer: Pingora's "retry if reused") says nothing
+        // about the provider, so the request goes once more, on the next connection
+        // the connector gives, within the same attempt and the same first-byte budget.
+        // Only once, and only right after the write: anything later may be an upstream
+        // that took the request and died on it, which is the provider's failure.
+        Err(AttemptEnd::Transport(TransportKind::Reset, STALE)) if reused => {
+            let p = &call.req.snap.config.providers[call.pick.provider];
+            tracing::info!(provider = %p.id, connection = %p.connections[call.pick.connection].id,
+                "pooled upstream connection was closed; request resent on another connection");
             let got = call.req.engine.connector.get_http_session(&peer);
             up = session_of(watch.race(session, call.left(), got).await)?.0;
-            sent_at = monotonic();
-            first_byte_by = (sent_at + ttft).min(call.deadline);
             send(session, watch, call, &mut up, first_byte_by).await?
         }
         other => other?,
@@ -244,11 +253,18 @@ async fn send(
             }
         }
     };
-    let limit = first_byte_by.saturating_duration_since(monotonic());
+    let written_at = monotonic();
+    let limit = first_byte_by.saturating_duration_since(written_at);
     match watch.race(session, limit, exchange).await {
         Wait::Ready(Ok(())) => {}
-        Wait::Ready(Err(_)) => {
-            return Err(AttemptEnd::Transport(TransportKind::Reset, CONN_FAILED))
+        Wait::Ready(Err(e)) => {
+            let at_once = written_at.elapsed() < STALE_WINDOW;
+            let what = if matches!(e.retry, RetryType::ReusedOnly) && at_once {
+                STALE
+            } else {
+                CONN_FAILED
+            };
+            return Err(AttemptEnd::Transport(TransportKind::Reset, what));
         }
         Wait::TimedOut => return Err(call.timed_out()),
         Wait::ClientGone => return Err(AttemptEnd::ClientGone),

@@ -12,8 +12,8 @@ use crate::config::Family;
 use crate::engine::judge::Verdict;
 use crate::error::ClientError;
 use crate::policy::failover::Refusal;
-use crate::policy::retry_after_secs;
 use crate::policy::timefmt::format_rfc3339;
+use crate::policy::{client_retry_after, retry_after_secs};
 use bytes::Bytes;
 use pingora::http::ResponseHeader;
 use pingora::proxy::Session;
@@ -73,7 +73,7 @@ pub async fn write_error(
     mut extra_headers: Vec<(&'static str, String)>,
 ) -> pingora::Result<()> {
     if let Some(s) = err.retry_after {
-        extra_headers.push(("retry-after", s.max(1).to_string()));
+        extra_headers.push(("retry-after", client_retry_after(s).to_string()));
     }
     let body = error_body(family, err);
     write_local(
@@ -166,7 +166,10 @@ pub fn refusal_error(
     }
     if let Some(reset) = r.reset_at {
         e = e
-            .with_extra("retry_after_s", json!(retry_after_secs(reset, now)))
+            .with_extra(
+                "retry_after_s",
+                json!(client_retry_after(retry_after_secs(reset, now))),
+            )
             .with_extra("reset_at", json!(format_rfc3339(reset)));
     }
     let mut diagnostics = Map::new();

@@ -18,7 +18,7 @@ use std::path::PathBuf;
 
 pub use self::memory::MemoryStore;
 pub use self::redb::RedbStore;
-pub use self::writer::StoreWriter;
+pub use self::writer::{CommitWait, StoreWriter};
 
 /// The tables Sluice persists.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

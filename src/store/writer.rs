@@ -36,6 +36,23 @@ enum Msg {
     Flush(Reply),
 }
 
+/// A commit queued by [`StoreWriter::queue_commit`], to await outside any lock.
+#[must_use = "await `wait` to learn whether the changes were committed"]
+pub struct CommitWait {
+    done: oneshot::Receiver<Result<(), StoreError>>,
+    sent: bool,
+}
+
+impl CommitWait {
+    /// Until the commit that includes the queued changes; same outcome as `commit_now`.
+    pub async fn wait(self) -> Result<(), StoreError> {
+        if !self.sent {
+            return Err(StoreError::Closed);
+        }
+        self.done.await.map_err(|_| StoreError::Closed)?
+    }
+}
+
 /// A callback told of every failed commit (the gateway counts them in a metric).
 type FailureHook = Box<dyn Fn(&StoreError) + Send + Sync>;
 
@@ -138,11 +155,16 @@ impl StoreWriter {
     /// On `Err` the changes stay queued and are retried on the next tick, so they may
     /// still land later: a caller that gives up should submit the undoing change.
     pub async fn commit_now(&self, changes: Vec<Change>) -> Result<(), StoreError> {
+        self.queue_commit(changes).wait().await
+    }
+
+    /// The first half of `commit_now`: queues the changes now (never blocks, so it may be
+    /// called under a lock, which orders them with other changes made under that lock)
+    /// and returns what to await for their commit.
+    pub fn queue_commit(&self, changes: Vec<Change>) -> CommitWait {
         let (reply, done) = oneshot::channel();
-        self.tx
-            .send(Msg::Commit(changes, reply))
-            .map_err(|_| StoreError::Closed)?;
-        done.await.map_err(|_| StoreError::Closed)?
+        let sent = self.tx.send(Msg::Commit(changes, reply)).is_ok();
+        CommitWait { done, sent }
     }
 
     /// Commits everything queued so far and stops the writer (for shutdown and tests).
@@ -201,7 +223,11 @@ async fn run(
         failures: 0,
         health,
     };
-    let mut ticker = tokio::time::interval(interval.max(Duration::from_millis(1)));
+    // The first tick comes one interval in (not at once), so a commit never races an
+    // immediate tick retrying the same batch.
+    let period = interval.max(Duration::from_millis(1));
+    let start = tokio::time::Instant::from_std(crate::clock::monotonic()) + period;
+    let mut ticker = tokio::time::interval_at(start, period);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
