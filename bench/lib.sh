@@ -27,13 +27,16 @@ start_mock() {
   MOCK=$(wait_listen "$WORK/mock.out" mock)
 }
 
-# start_sluice -> one model `bench` on the mock; sets SLUICE (client address) and SLUICE_PID
+# start_sluice [NAME] -> one model `bench` on the mock; sets SLUICE (client address) and
+# SLUICE_PID. NAME (default `sluice`) keeps the files of several gateways apart.
 start_sluice() {
-  cat >"$WORK/sluice.yaml" <<YAML
+  local n=${1:-sluice}
+  mkdir -p "$WORK/$n"
+  cat >"$WORK/$n.yaml" <<YAML
 server: { listen: "127.0.0.1:0", admin_listen: "127.0.0.1:0", threads: 2 }
 admin: { token_env: SLUICE_ADMIN_TOKEN }
-state: { path: "$WORK/state.redb" }
-rules_dir: "$WORK/rules"
+state: { path: "$WORK/$n/state.redb" }
+rules_dir: "$WORK/$n/rules"
 providers:
   - id: mock
     base_url: "http://$MOCK"
@@ -47,8 +50,8 @@ models:
       - { provider: mock, model: mock-model }
 YAML
   SLUICE_ADMIN_TOKEN=bench BENCH_KEY=bench-key SLUICE_LOG=${SLUICE_LOG:-info} \
-    "$BIN/sluice" run --config "$WORK/sluice.yaml" >"$WORK/sluice.out" 2>"$WORK/sluice.log" &
+    "$BIN/sluice" run --config "$WORK/$n.yaml" >"$WORK/$n.out" 2>"$WORK/$n.log" &
   SLUICE_PID=$!
   PIDS+=("$SLUICE_PID")
-  SLUICE=$(wait_listen "$WORK/sluice.out" client)
+  SLUICE=$(wait_listen "$WORK/$n.out" client)
 }

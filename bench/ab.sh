@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# A/B of two Sluice builds against one mock, in one run: the builds' gateways run side by
+# side and are loaded in alternation (A, B, A, B, …), so machine drift falls on both.
+# Prints requests/s and gateway CPU µs per request (utime+stime from /proc ÷ requests)
+# per round and the medians. Use it to show a change does not slow the hot path.
+#
+#   BENCH_BIN_A=/path/to/old/release BENCH_BIN_B=target/release \
+#     BENCH_ROUNDS=5 BENCH_DURATION=8s BENCH_CONNS=32 ./bench/ab.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+A=${BENCH_BIN_A:?set BENCH_BIN_A to the release dir of build A}
+B=${BENCH_BIN_B:-target/release}
+ROUNDS=${BENCH_ROUNDS:-5}
+DUR=${BENCH_DURATION:-8s}
+CONNS=${BENCH_CONNS:-32}
+command -v wrk >/dev/null || { echo "bench: wrk is required (apt-get install wrk)" >&2; exit 2; }
+BENCH_BIN=$B . bench/lib.sh
+start_mock --chunks 8 --chunk-interval 0ms
+BIN=$A start_sluice a; SA=$SLUICE; PA=$SLUICE_PID
+BIN=$B start_sluice b; SB=$SLUICE; PB=$SLUICE_PID
+TICKS=$(getconf CLK_TCK)
+THREADS=$(( CONNS < 2 ? 1 : 2 ))
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+
+# one ADDR PID STREAM -> "rps cpu_us_per_request"
+one() {
+  local before after out rps n
+  before=$(cpu_ticks "$2")
+  out=$(BENCH_STREAM=$3 wrk -t"$THREADS" -c"$CONNS" -d"$DUR" -s bench/post.lua "http://$1/v1/chat/completions" 2>&1)
+  after=$(cpu_ticks "$2")
+  echo "$out" | grep -q "Non-2xx" && { echo "bench: non-2xx from $1" >&2; echo "$out" >&2; exit 1; }
+  rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
+  n=$(echo "$out" | awk '/requests in/ {print $1}')
+  echo "$rps $(awk -v t=$((after - before)) -v hz="$TICKS" -v n="$n" 'BEGIN{printf "%.1f", t / hz * 1e6 / n}')"
+}
+median() { sort -n | awk '{a[NR]=$1} END{print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
+
+echo "A=$A  B=$B  rounds=$ROUNDS  duration=$DUR  conns=$CONNS  ($(date -u +%Y-%m-%dT%H:%M:%SZ), $(nproc) cores)"
+for stream in 0 1; do
+  mode=$([ "$stream" = 1 ] && echo stream || echo json)
+  ra=(); rb=(); ca=(); cb=()
+  for r in $(seq 1 "$ROUNDS"); do
+    read -r x y <<<"$(one "$SA" "$PA" "$stream")"; ra+=("$x"); ca+=("$y")
+    read -r x y <<<"$(one "$SB" "$PB" "$stream")"; rb+=("$x"); cb+=("$y")
+    echo "$mode round $r: A ${ra[-1]} rps ${ca[-1]} µs/req | B ${rb[-1]} rps ${cb[-1]} µs/req"
+  done
+  mra=$(printf '%s\n' "${ra[@]}" | median); mrb=$(printf '%s\n' "${rb[@]}" | median)
+  mca=$(printf '%s\n' "${ca[@]}" | median); mcb=$(printf '%s\n' "${cb[@]}" | median)
+  echo "| $mode | $CONNS | $mra | $mrb | $(awk -v a="$mra" -v b="$mrb" 'BEGIN{printf "%.2f", b/a}') | $mca | $mcb |"
+done
