@@ -238,20 +238,13 @@ pub fn run(path: &Path, reset_state: bool) -> Result<(), StartupError> {
         let layered = prepare(path, &env_lookup, &overrides, 1).map_err(render)?;
         // An override the config no longer accepts (e.g. a fallback model that was
         // removed) is dropped with a warning, here and in the store; it never stops a start.
-        let deletes: Vec<Change> = layered
-            .dropped_overrides
-            .iter()
-            .map(|k| Change::delete(Table::Overrides, k.clone()))
-            .collect();
-        for w in layered.warnings.iter().skip(first.warnings.len()) {
-            tracing::warn!("{w}");
+        for p in &layered.dropped_overrides {
+            tracing::warn!("{p}");
+            overrides.remove(&p.path);
         }
-        for k in &layered.dropped_overrides {
-            overrides.remove(k);
-        }
-        if !deletes.is_empty() {
+        if !layered.dropped_overrides.is_empty() {
             store
-                .apply(&deletes)
+                .apply(&reload::override_deletes(&layered.dropped_overrides))
                 .map_err(|e| StartupError::Store(e.to_string()))?;
         }
         layered.snapshot

@@ -131,11 +131,11 @@ impl AdminApp {
     }
 }
 
-/// `GET /ready` (SPEC §8): ready while the state store is open (an engine always
-/// serves a validated config generation: it cannot be built without one, and a failed
-/// reload keeps the last good one, shown as `last_reload_ok: false`). A store whose commits are failing still serves from memory, so it is
-/// reported (`store: "failing"`) without taking the node out of rotation; a stopped
-/// writer is not ready. The reasons name what is wrong.
+/// `GET /ready` (SPEC §8): ready while the state store is open. An engine always serves
+/// a validated config generation (it cannot be built without one, and a failed reload
+/// keeps the last good one, shown as `last_reload_ok: false`). A store whose commits
+/// fail still serves from memory, so it is reported (`store: "failing"`) without taking
+/// the node out of rotation; a stopped writer is not ready. `reasons` names what is wrong.
 fn readiness(engine: &Engine) -> (bool, Value) {
     let snap = engine.snapshot();
     let last = engine.reload.status();

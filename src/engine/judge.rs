@@ -111,10 +111,7 @@ impl Engine {
         let e = self
             .tables
             .connection_if_any(&p.id, &p.connections[a.pick.connection].id)?;
-        let until = match super::state::lock(&e).state.eligibility(now) {
-            crate::policy::cooldown::Eligibility::Cooling { until } => Some(until),
-            _ => None,
-        };
+        let until = super::state::lock(&e).state.cooling_until(now);
         until
     }
 
@@ -160,17 +157,5 @@ impl Engine {
             retry_after: None,
             urgent: rec.urgent,
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use crate::policy::client_retry_after;
-
-    #[test]
-    fn client_retry_after_is_clamped_to_a_second_and_a_day() {
-        assert_eq!(client_retry_after(0), 1);
-        assert_eq!(client_retry_after(30), 30);
-        assert_eq!(client_retry_after(343_611_483), 86_400);
     }
 }

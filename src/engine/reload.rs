@@ -68,11 +68,11 @@ fn env_lookup(name: &str) -> Option<String> {
 /// A validated generation, ready to be swapped in.
 pub struct Prepared {
     pub snapshot: Snapshot,
-    /// Warnings of the config, then one per dropped override.
     pub warnings: Vec<Problem>,
-    /// Stored overrides that no longer apply to this config (left out of it); the
-    /// caller removes them from the engine and the store.
-    pub dropped_overrides: Vec<String>,
+    /// Stored overrides that no longer apply to this config (left out of it), one
+    /// problem each with the key as its path; the caller warns, and removes them from
+    /// the engine and the store.
+    pub dropped_overrides: Vec<Problem>,
 }
 
 /// Reads the config file and its rules, validates both, and applies the env and
@@ -91,38 +91,39 @@ pub fn prepare(
         text,
     });
     let mut cfg = loaded.config;
-    let (kept, dropped) = settings::split_overrides(&cfg, overrides);
+    let (kept, dropped_overrides) = settings::split_overrides(&cfg, overrides);
     let sources = settings::resolve(&mut cfg, &base.text, env, &kept)?;
-    let dropped_overrides = dropped.iter().map(|p| p.path.clone()).collect();
-    let mut warnings = loaded.warnings;
-    warnings.extend(dropped);
     Ok(Prepared {
         snapshot: Snapshot::layered(cfg, Arc::new(rules), generation, sources, Some(base)),
-        warnings,
+        warnings: loaded.warnings,
         dropped_overrides,
     })
 }
 
 impl Engine {
     /// Forgets overrides a new config no longer accepts, in memory and in the store.
-    pub fn drop_overrides(&self, keys: &[String]) {
-        if keys.is_empty() {
+    fn drop_overrides(&self, dropped: &[Problem]) {
+        if dropped.is_empty() {
             return;
         }
         let mut overrides = lock(&self.overrides);
-        for k in keys {
-            overrides.remove(k);
-            tracing::warn!(setting = %k, "runtime override dropped: it no longer applies to the config");
+        for p in dropped {
+            overrides.remove(&p.path);
+            tracing::warn!("{p}");
         }
         drop(overrides);
         if let Some(store) = &self.store {
-            store.submit(
-                keys.iter()
-                    .map(|k| crate::store::Change::delete(Table::Overrides, k.clone()))
-                    .collect(),
-            );
+            store.submit(override_deletes(dropped));
         }
     }
+}
+
+/// The store changes that delete these dropped overrides.
+pub fn override_deletes(dropped: &[Problem]) -> Vec<crate::store::Change> {
+    dropped
+        .iter()
+        .map(|p| crate::store::Change::delete(Table::Overrides, p.path.clone()))
+        .collect()
 }
 
 fn render(problems: &[Problem]) -> String {
@@ -164,7 +165,12 @@ impl Engine {
             }
         };
         let old = self.snapshot();
-        let mut warnings: Vec<String> = prepared.warnings.iter().map(ToString::to_string).collect();
+        let mut warnings: Vec<String> = prepared
+            .warnings
+            .iter()
+            .chain(&prepared.dropped_overrides)
+            .map(ToString::to_string)
+            .collect();
         let (o, n) = (&old.config, &prepared.snapshot.config);
         if o.server.listen != n.server.listen
             || o.server.admin_listen != n.server.admin_listen

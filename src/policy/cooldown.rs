@@ -135,6 +135,14 @@ pub enum Cleared {
 }
 
 impl ConnState {
+    /// When the running cooldown ends, if the connection is cooling (not terminal) now.
+    pub fn cooling_until(&self, now: Millis) -> Option<Millis> {
+        match self.eligibility(now) {
+            Eligibility::Cooling { until } => Some(until),
+            _ => None,
+        }
+    }
+
     /// Lazy eligibility: a terminal state wins, then an unexpired cooldown.
     pub fn eligibility(&self, now: Millis) -> Eligibility {
         if let Some(t) = self.terminal {

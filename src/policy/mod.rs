@@ -227,4 +227,11 @@ mod tests {
         assert_eq!(retry_after_secs(10_001, 10_000), 1);
         assert_eq!(retry_after_secs(12_001, 10_000), 3);
     }
+
+    #[test]
+    fn client_retry_after_is_clamped_to_a_second_and_a_day() {
+        assert_eq!(client_retry_after(0), 1);
+        assert_eq!(client_retry_after(30), 30);
+        assert_eq!(client_retry_after(343_611_483), 86_400);
+    }
 }

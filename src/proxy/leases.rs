@@ -43,14 +43,11 @@ fn lease_json(l: &Lease, owner: Option<&str>) -> serde_json::Value {
 
 fn lease_error(e: LeaseError, now: u64) -> ClientError {
     match e {
-        LeaseError::CapacityUnavailable { retry_at } => {
-            let mut c = ClientError::new(
-                ErrorCode::LeaseCapacityUnavailable,
-                "every eligible allowed connection is held by another lease",
-            );
-            c.retry_after = Some(retry_after_secs(retry_at, now));
-            c
-        }
+        LeaseError::CapacityUnavailable { retry_at } => ClientError::new(
+            ErrorCode::LeaseCapacityUnavailable,
+            "every eligible allowed connection is held by another lease",
+        )
+        .with_retry_after(retry_after_secs(retry_at, now)),
         LeaseError::UnknownOwner => {
             ClientError::new(ErrorCode::LeaseNotFound, "no active lease for this owner")
         }
@@ -143,14 +140,11 @@ async fn run(
                 Ok(lease_json(&lease, Some(&token)))
             }
             Err(LeaseRefusal::Lease(e)) => Err(lease_error(e, now)),
-            Err(LeaseRefusal::NoneEligible { retry_at: Some(t) }) => {
-                let mut e = ClientError::new(
-                    ErrorCode::AllTargetsCoolingDown,
-                    "every allowed connection is cooling down",
-                );
-                e.retry_after = Some(retry_after_secs(t, now));
-                Err(e)
-            }
+            Err(LeaseRefusal::NoneEligible { retry_at: Some(t) }) => Err(ClientError::new(
+                ErrorCode::AllTargetsCoolingDown,
+                "every allowed connection is cooling down",
+            )
+            .with_retry_after(retry_after_secs(t, now))),
             Err(LeaseRefusal::NoneEligible { retry_at: None }) => {
                 Err(lease_error(LeaseError::NoneEligible, now))
             }
@@ -181,13 +175,12 @@ fn failure(action: &str, f: LeaseFailure, now: Millis) -> ClientError {
 
 /// A lease change the store did not accept: 503, retryable, never a 200.
 fn store_error(action: &str, e: &StoreError) -> ClientError {
-    let mut err = ClientError::new(
+    ClientError::new(
         ErrorCode::StateStoreUnavailable,
         format!(
             "the lease {action} could not be made durable ({}); retry shortly",
             e.label()
         ),
-    );
-    err.retry_after = Some(1);
-    err
+    )
+    .with_retry_after(1)
 }
