@@ -12,6 +12,7 @@ use crate::engine::Engine;
 use crate::error::StartupError;
 use crate::metrics::Metrics;
 use crate::proxy::Gateway;
+use crate::server::frontdoor::{file_limit, ClientLimits, FrontDoor};
 use crate::server::listener::TcpAppService;
 use crate::store::{Change, RedbStore, StateStore, StoreWriter, Table};
 use clap::{Parser, Subcommand};
@@ -221,6 +222,7 @@ pub fn run(path: &Path, reset_state: bool) -> Result<(), StartupError> {
         tracing::warn!("{w}");
     }
     let config = &first.snapshot.config;
+    let config_server = config.server.clone();
     let threads = config.server.threads;
     let listen = config.server.listen.clone();
     let admin_listen = config.server.admin_listen.clone();
@@ -272,13 +274,24 @@ pub fn run(path: &Path, reset_state: bool) -> Result<(), StartupError> {
 
     let conf = Arc::new(server_conf(threads));
     let proxy = pingora::proxy::http_proxy(&conf, Gateway::new(engine.clone()));
+    let srv = &config_server;
+    let limits = ClientLimits {
+        header_timeout: srv.client_header_timeout,
+        body_timeout: srv.client_body_timeout,
+        keepalive_timeout: srv.keepalive_timeout,
+        max_connections: ClientLimits::connections_for(srv.max_client_connections, file_limit()),
+    };
+    tracing::info!(
+        max_client_connections = limits.max_connections,
+        "client connection limits set"
+    );
     let (client_svc, client_addr) =
-        TcpAppService::bind("sluice-client", &listen, proxy, Some(threads)).map_err(|source| {
-            StartupError::Listen {
+        FrontDoor::bind("sluice-client", &listen, proxy, limits, Some(threads)).map_err(
+            |source| StartupError::Listen {
                 addr: listen.clone(),
                 source,
-            }
-        })?;
+            },
+        )?;
     let (admin_svc, admin_addr) = TcpAppService::bind(
         "sluice-admin",
         &admin_listen,

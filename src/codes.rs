@@ -5,8 +5,8 @@
 //! a status can never drift from its code and no call site spells a code as a string.
 //! Plain data with no dependencies: policies return these, `proxy::respond` renders
 //! them. The rows of SPEC §4 are [`ErrorCode::SPEC_TABLE`]; the few codes beyond that
-//! table (an unknown route, an unknown lease, a lease change the store did not accept)
-//! are listed in `docs/decisions.md`.
+//! table (an unknown route, an unknown lease, a lease change the store did not accept,
+//! and the HTTP-layer 405 / 408 / 431) are listed in `docs/decisions.md`.
 
 /// An error Sluice itself answers with (an upstream error passed through has none).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -32,6 +32,12 @@ pub enum ErrorCode {
     LeaseNotFound,
     /// Beyond §4: a lease change could not be made durable (SPEC §5.6, §7).
     StateStoreUnavailable,
+    /// Beyond §4: the path is a route, the method is not its method.
+    MethodNotAllowed,
+    /// Beyond §4: the request body stopped arriving (`server.client_body_timeout`).
+    RequestTimeout,
+    /// Beyond §4: the request header outgrew the limit.
+    HeaderTooLarge,
 }
 
 /// One row of the table: status, code, OpenAI `type`, Anthropic `type`.
@@ -121,6 +127,9 @@ impl ErrorCode {
             E::StateStoreUnavailable => {
                 Row(503, "state_store_unavailable", "server_error", "api_error")
             }
+            E::MethodNotAllowed => Row(405, "method_not_allowed", INVALID, INVALID),
+            E::RequestTimeout => Row(408, "request_timeout", INVALID, INVALID),
+            E::HeaderTooLarge => Row(431, "request_header_too_large", INVALID, INVALID),
         }
     }
 
@@ -242,6 +251,9 @@ mod tests {
             ErrorCode::RouteNotFound,
             ErrorCode::LeaseNotFound,
             ErrorCode::StateStoreUnavailable,
+            ErrorCode::MethodNotAllowed,
+            ErrorCode::RequestTimeout,
+            ErrorCode::HeaderTooLarge,
         ];
         let names: HashSet<&str> = ErrorCode::SPEC_TABLE
             .iter()

@@ -5,6 +5,8 @@
 //! handed to a dedicated writer thread over a bounded channel and written in batches.
 //! The request path never blocks on logging: when the channel is full the line is
 //! dropped and counted, and the count is reported on the next line that gets through.
+//! Secrets never reach a line: Sluice logs no header values, and the dependencies that
+//! would are capped at `info` ([`CAPPED_TARGETS`]).
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -12,6 +14,10 @@ use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TryS
 use std::sync::Arc;
 use std::time::Duration;
 use tracing_subscriber::fmt::MakeWriter;
+
+/// Log targets never shown below `info`: dependencies that print raw request bytes or
+/// headers at debug/trace level.
+pub const CAPPED_TARGETS: [&str; 4] = ["pingora_core", "pingora_proxy", "pingora", "h2"];
 
 /// Lines that may wait for the writer before new ones are dropped.
 const QUEUE: usize = 65_536;

@@ -8,8 +8,15 @@ use std::io::IsTerminal;
 /// Logs go through a background writer (see `sluice::logging`); the returned handle
 /// flushes it before the process exits.
 fn init_logging() -> Option<sluice::logging::Background> {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("SLUICE_LOG")
+    let mut filter = tracing_subscriber::EnvFilter::try_from_env("SLUICE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Pingora logs raw request bytes and headers (client keys, lease owner tokens) at
+    // debug and trace: its targets stay at info whatever SLUICE_LOG asks (SPEC §3).
+    for target in sluice::logging::CAPPED_TARGETS {
+        if let Ok(d) = format!("{target}=info").parse() {
+            filter = filter.add_directive(d);
+        }
+    }
     let ansi = std::io::stderr().is_terminal();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

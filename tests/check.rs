@@ -145,3 +145,19 @@ fn shipped_configs_are_valid() {
         String::from_utf8_lossy(&out.stdout)
     );
 }
+
+#[test]
+fn an_empty_or_serving_nothing_config_fails() {
+    for (yaml, expect) in [
+        ("", "the file is empty"),
+        ("# only a comment\n", "the file is empty"),
+        (
+            "server:\n  threads: 1\n",
+            "providers: at least one entry is required",
+        ),
+    ] {
+        let (code, out) = check(yaml, &[]);
+        assert_eq!(code, 1, "{yaml:?} passed: {out}");
+        assert!(out.contains(expect), "{yaml:?}: {out}");
+    }
+}

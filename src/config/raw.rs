@@ -18,6 +18,10 @@ pub struct RawServer {
     pub threads: Option<usize>,
     pub max_body_bytes: Option<Value>,
     pub max_attempts: Option<usize>,
+    pub client_header_timeout: Option<String>,
+    pub client_body_timeout: Option<String>,
+    pub keepalive_timeout: Option<String>,
+    pub max_client_connections: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -146,6 +146,15 @@ pub struct ServerConfig {
     pub threads: usize,
     pub max_body_bytes: usize,
     pub max_attempts: usize,
+    /// The whole request header must arrive within this (from the accept, or from the
+    /// first byte of a request on a kept-alive connection).
+    pub client_header_timeout: Duration,
+    /// Longest gap between two reads of a request body.
+    pub client_body_timeout: Duration,
+    /// An idle kept-alive client connection is closed after this.
+    pub keepalive_timeout: Duration,
+    /// Client connections served at once; 0 = derived from the file limit at startup.
+    pub max_client_connections: usize,
 }
 
 #[derive(Clone, Debug)]

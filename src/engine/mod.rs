@@ -74,6 +74,8 @@ pub struct Snapshot {
     conn_keys: Vec<Vec<String>>,
     /// Names a lockout may be recorded under, per [model][target].
     lock_names: Vec<Vec<Vec<String>>>,
+    /// Masks this generation's credential values in upstream text (SPEC §3).
+    pub redactor: crate::policy::redact::Redactor,
 }
 
 impl Snapshot {
@@ -135,6 +137,13 @@ impl Snapshot {
                     .collect()
             })
             .collect();
+        let redactor = crate::policy::redact::Redactor::new(
+            config
+                .providers
+                .iter()
+                .flat_map(|p| &p.connections)
+                .filter_map(|c| c.key.as_ref().map(|k| k.expose())),
+        );
         Self {
             config,
             rules,
@@ -147,6 +156,7 @@ impl Snapshot {
             fingerprints,
             conn_keys,
             lock_names,
+            redactor,
         }
     }
 

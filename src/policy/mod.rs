@@ -20,6 +20,7 @@ pub mod timefmt;
 
 pub mod affinity;
 pub mod lease;
+pub mod redact;
 pub mod watchdog;
 
 use serde::{Deserialize, Serialize};

@@ -57,6 +57,16 @@ pub fn client<'s>(
 /// Reads the whole request body, at most `limit` bytes (413 beyond), answering
 /// `Expect: 100-continue` first.
 pub async fn read_body(session: &mut Session, limit: usize) -> Result<Bytes, ClientError> {
+    let result = read_whole_body(session, limit).await;
+    if result.is_err() {
+        // The rest of the body is unread or unreadable: the connection cannot carry
+        // another request.
+        session.downstream_session.set_keepalive(None);
+    }
+    result
+}
+
+async fn read_whole_body(session: &mut Session, limit: usize) -> Result<Bytes, ClientError> {
     let too_large = || {
         ClientError::new(
             ErrorCode::BodyTooLarge,
@@ -96,9 +106,16 @@ pub async fn read_body(session: &mut Session, limit: usize) -> Result<Bytes, Cli
                 buf.extend_from_slice(&chunk);
             }
             Ok(None) => return Ok(buf.freeze()),
+            Err(e) if matches!(e.etype(), pingora::ErrorType::ReadTimedout) => {
+                return Err(ClientError::new(
+                    ErrorCode::RequestTimeout,
+                    "the request body stopped arriving (server.client_body_timeout)",
+                ))
+            }
             Err(e) => {
                 return Err(ClientError::invalid_request(format!(
-                    "cannot read request body: {e}"
+                    "cannot read request body: {}",
+                    e.etype().as_str()
                 )))
             }
         }

@@ -18,6 +18,7 @@ use super::watch::{ClientWatch, Wait};
 use crate::clock::monotonic;
 use crate::engine::Pick;
 use crate::policy::classify::TransportKind;
+use crate::policy::redact::Redactor;
 use bytes::{Bytes, BytesMut};
 use pingora::http::ResponseHeader;
 use pingora::prelude::HttpPeer;
@@ -28,6 +29,9 @@ use std::time::{Duration, Instant};
 
 /// Upstream error bodies are read up to this size (SPEC §2, phase 4).
 const ERROR_BODY_LIMIT: usize = 64 * 1024;
+/// An upstream response header larger than this is not passed on: the attempt is a
+/// transport failure (the client would otherwise get whatever the upstream sent).
+const MAX_UPSTREAM_HEADER_BYTES: usize = 64 * 1024;
 pub(super) const POOL_IDLE: Duration = Duration::from_secs(90);
 const WRITE_TIMEOUT: Duration = Duration::from_secs(60);
 /// The upstream connection broke (write or read error) before a whole response header.
@@ -230,7 +234,9 @@ async fn send(
     let conn = &p.connections[call.pick.connection];
     let target = &cfg.models[call.req.model].targets[call.pick.target];
     let body = call.req.body.with_model(&target.model);
-    let Ok(req) = upstream::request_header(call.req.header, p, conn, body.len()) else {
+    let Ok(req) =
+        upstream::request_header(call.req.header, call.req.route.path(), p, conn, body.len())
+    else {
         return Err(AttemptEnd::Transport(
             TransportKind::Reset,
             "cannot build the upstream request",
@@ -273,6 +279,12 @@ async fn send(
         .response_header()
         .cloned()
         .ok_or(AttemptEnd::Transport(TransportKind::Reset, CONN_FAILED))?;
+    if header_bytes(&header) > MAX_UPSTREAM_HEADER_BYTES {
+        return Err(AttemptEnd::Transport(
+            TransportKind::Reset,
+            "upstream response header too large",
+        ));
+    }
     // `http` accepts 100..=999; anything past 599 is not HTTP an upstream may answer.
     if header.status.as_u16() > 599 {
         return Err(AttemptEnd::Transport(
@@ -281,6 +293,15 @@ async fn send(
         ));
     }
     Ok(header)
+}
+
+/// The size of a response header's fields as they came on the wire (approximately:
+/// name, value and the `: ` and CRLF around them).
+fn header_bytes(h: &ResponseHeader) -> usize {
+    h.headers
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len() + 4)
+        .sum()
 }
 
 /// Response-header phase of an error: read (bounded) and hold it, never commit it.
@@ -315,6 +336,7 @@ async fn hold_error(
         return AttemptEnd::ClientGone;
     }
     buf.truncate(ERROR_BODY_LIMIT);
+    let (header, body) = redacted(&call.req.snap.redactor, header, buf.freeze());
     if complete {
         call.req
             .engine
@@ -324,9 +346,41 @@ async fn hold_error(
     }
     AttemptEnd::Refused(Box::new(HeldError {
         header,
-        body: buf.freeze(),
+        body,
         pick: call.pick,
     }))
+}
+
+/// A held error as it may be passed on or kept: every credential value masked in its
+/// body and header values (SPEC §3), before any rule, judge or client sees it.
+fn redacted(r: &Redactor, mut header: ResponseHeader, body: Bytes) -> (ResponseHeader, Bytes) {
+    let body = match r.bytes(&body) {
+        std::borrow::Cow::Borrowed(_) => body,
+        std::borrow::Cow::Owned(masked) => Bytes::from(masked),
+    };
+    let mut leaked: Vec<http::HeaderName> = header
+        .headers
+        .iter()
+        .filter(|(_, v)| matches!(r.bytes(v.as_bytes()), std::borrow::Cow::Owned(_)))
+        .map(|(k, _)| k.clone())
+        .collect();
+    leaked.dedup();
+    for name in leaked {
+        let values: Vec<Vec<u8>> = header
+            .headers
+            .get_all(&name)
+            .iter()
+            .map(|v| r.bytes(v.as_bytes()).into_owned())
+            .collect();
+        header.remove_header(&name);
+        for v in values
+            .into_iter()
+            .filter_map(|v| http::HeaderValue::from_bytes(&v).ok())
+        {
+            let _ = header.append_header(name.clone(), v);
+        }
+    }
+    (header, body)
 }
 
 /// The first body chunk of a 2xx, before commit, so a silent upstream is still a
@@ -355,8 +409,8 @@ async fn first_chunk(
 
 /// The commit point: the response header goes to the client.
 async fn commit(session: &mut Session, ctx: &mut RequestCtx, mut c: Committed) -> AttemptEnd {
-    let h2 = session.downstream_session.is_http2();
-    let Ok(resp) = upstream::response_header(&c.header, h2, &ctx.sluice_headers()) else {
+    let chunked = upstream::client_takes_chunked(session);
+    let Ok(resp) = upstream::response_header(&c.header, chunked, &ctx.sluice_headers()) else {
         return AttemptEnd::Transport(TransportKind::Reset, "invalid upstream response header");
     };
     c.is_sse = c

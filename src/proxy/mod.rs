@@ -60,6 +60,33 @@ impl Gateway {
         Ok(true)
     }
 
+    /// 405 (with `Allow`) for a route's path under another method, else 404.
+    async fn no_route(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        method: &str,
+        path: &str,
+    ) -> pingora::Result<bool> {
+        let path = routes::normalize(path);
+        let Some(route) = Route::by_path(&path) else {
+            let e = ClientError::new(
+                ErrorCode::RouteNotFound,
+                format!("no route for {method} {path}"),
+            );
+            return self.reject(session, ctx, Family::OpenAi, e).await;
+        };
+        let e = ClientError::new(
+            ErrorCode::MethodNotAllowed,
+            format!("{path} takes {}, not {method}", route.method()),
+        );
+        ctx.status = e.status();
+        ctx.note = Some(e.code.as_str());
+        let allow = vec![("allow", route.method().to_string())];
+        respond::write_error(session, route.family(), &e, allow).await?;
+        Ok(true)
+    }
+
     async fn models(&self, session: &mut Session, ctx: &mut RequestCtx) -> pingora::Result<bool> {
         let snap = self.engine.snapshot();
         let data: Vec<_> = snap
@@ -83,6 +110,16 @@ impl ProxyHttp for Gateway {
         RequestCtx::new(monotonic())
     }
 
+    /// The header is in: the connection's header guard stands down for this request.
+    async fn early_request_filter(
+        &self,
+        session: &mut Session,
+        _ctx: &mut RequestCtx,
+    ) -> pingora::Result<()> {
+        crate::server::frontdoor::header_done(&session.downstream_session);
+        Ok(())
+    }
+
     async fn request_filter(
         &self,
         session: &mut Session,
@@ -93,11 +130,7 @@ impl ProxyHttp for Gateway {
             (h.method.as_str().to_string(), h.uri.path().to_string())
         };
         let Some(route) = Route::from_request(&method, &path) else {
-            let e = ClientError::new(
-                ErrorCode::RouteNotFound,
-                format!("no route for {method} {path}"),
-            );
-            return self.reject(session, ctx, Family::OpenAi, e).await;
+            return self.no_route(session, ctx, &method, &path).await;
         };
         ctx.route = Some(route);
         let family = route.family();
@@ -116,13 +149,7 @@ impl ProxyHttp for Gateway {
         }
         let a = match admit::admit(&self.engine, &snap, session, family, client).await {
             Ok(a) => a,
-            Err(e) => {
-                if e.code == ErrorCode::BodyTooLarge {
-                    // The rest of an oversized body is not read: do not reuse the connection.
-                    session.downstream_session.set_keepalive(None);
-                }
-                return self.reject(session, ctx, family, e).await;
-            }
+            Err(e) => return self.reject(session, ctx, family, e).await,
         };
         ctx.model_label = snap.config.models[a.model].name.clone();
 

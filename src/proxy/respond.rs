@@ -199,8 +199,8 @@ pub(super) async fn pass_through(
     ctx: &mut RequestCtx,
 ) -> pingora::Result<()> {
     ctx.status = v.status;
-    let h2 = session.downstream_session.is_http2();
-    let mut h = upstream::response_header(&err.header, h2, &ctx.sluice_headers())?;
+    let chunked = upstream::client_takes_chunked(session);
+    let mut h = upstream::response_header(&err.header, chunked, &ctx.sluice_headers())?;
     if v.status != err.header.status.as_u16() {
         h.set_status(v.status)?;
     }

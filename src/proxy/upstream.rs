@@ -45,19 +45,19 @@ const STRIP_RESPONSE: &[&str] = &[
 
 pub const ANTHROPIC_VERSION: &str = "2023-06-01";
 
-/// Builds the upstream request header for one attempt.
+/// Builds the upstream request header for one attempt: the route's canonical `path`
+/// under the provider's prefix, plus the client's query string (SPEC §3).
 pub fn request_header(
     client: &RequestHeader,
+    path: &str,
     provider: &Provider,
     connection: &Connection,
     body_len: usize,
 ) -> pingora::Result<RequestHeader> {
-    let path_and_query = client
-        .uri
-        .path_and_query()
-        .map(|p| p.as_str())
-        .unwrap_or("/");
-    let path = format!("{}{}", provider.base_url.path_prefix, path_and_query);
+    let path = match client.uri.query() {
+        Some(q) => format!("{}{path}?{q}", provider.base_url.path_prefix),
+        None => format!("{}{path}", provider.base_url.path_prefix),
+    };
     let mut req = RequestHeader::build(
         client.method.clone(),
         path.as_bytes(),
@@ -91,10 +91,18 @@ fn host_header(url: &BaseUrl) -> String {
     url.authority()
 }
 
-/// The client-facing copy of an upstream response header.
+/// Whether the client's connection frames a body of unknown length as chunks.
+pub fn client_takes_chunked(session: &pingora::proxy::Session) -> bool {
+    !session.downstream_session.is_http2() && session.req_header().version == http::Version::HTTP_11
+}
+
+/// The client-facing copy of an upstream response header. `chunked`: the client speaks
+/// HTTP/1.1, so a body of unknown length is sent chunked; otherwise (HTTP/2, HTTP/1.0)
+/// it is left unframed here — HTTP/2 frames it, and an HTTP/1.0 client reads it to the
+/// close of the connection.
 pub fn response_header(
     upstream: &ResponseHeader,
-    h2_downstream: bool,
+    chunked: bool,
     sluice: &[(&'static str, String)],
 ) -> pingora::Result<ResponseHeader> {
     let mut resp =
@@ -105,7 +113,7 @@ pub fn response_header(
         }
         resp.append_header(name.clone(), value.clone())?;
     }
-    if !h2_downstream
+    if chunked
         && resp.headers.get("content-length").is_none()
         && !matches!(upstream.status.as_u16(), 204 | 304)
     {
@@ -155,7 +163,7 @@ mod tests {
 
     #[test]
     fn strips_client_secrets_and_sets_upstream_auth() {
-        let mut c = RequestHeader::build("POST", b"/v1/chat/completions?x=1", None).unwrap();
+        let mut c = RequestHeader::build("POST", b"//v1/chat/completions/?x=1", None).unwrap();
         for (k, v) in [
             ("authorization", "Bearer client"),
             ("x-api-key", "client"),
@@ -167,7 +175,14 @@ mod tests {
         ] {
             c.insert_header(k, v).unwrap();
         }
-        let r = request_header(&c, &provider(Family::OpenAi), &conn(), 12).unwrap();
+        let r = request_header(
+            &c,
+            "/v1/chat/completions",
+            &provider(Family::OpenAi),
+            &conn(),
+            12,
+        )
+        .unwrap();
         assert_eq!(r.uri.to_string(), "/api/v1/chat/completions?x=1");
         assert_eq!(r.headers["authorization"], "Bearer upstream-key");
         assert_eq!(r.headers["host"], "127.0.0.1:9100");
@@ -182,7 +197,8 @@ mod tests {
         ] {
             assert!(r.headers.get(gone).is_none(), "{gone} leaked");
         }
-        let a = request_header(&c, &provider(Family::Anthropic), &conn(), 0).unwrap();
+        let a =
+            request_header(&c, "/v1/messages", &provider(Family::Anthropic), &conn(), 0).unwrap();
         assert_eq!(a.headers["x-api-key"], "upstream-key");
         assert_eq!(a.headers["anthropic-version"], ANTHROPIC_VERSION);
         assert!(a.headers.get("authorization").is_none());

@@ -1,3 +1,5 @@
 //! Process assembly: listeners and the Pingora server around the gateway's services.
 
+pub mod client_stream;
+pub mod frontdoor;
 pub mod listener;

@@ -57,15 +57,39 @@ impl Gateway {
         Self::spawn(dir, env)
     }
 
+    /// [`Gateway::start`] with the gateway's log (stderr) written to `log` in its dir.
+    pub fn start_logged(yaml: &str, env: &[(&str, &str)]) -> Gateway {
+        let dir = TempDir::new("sluice-gw");
+        std::fs::create_dir_all(dir.0.join("rules")).expect("rules dir");
+        let yaml = yaml.replace("@DIR@", dir.0.to_str().expect("utf-8 path"));
+        std::fs::write(dir.0.join("sluice.yaml"), yaml).expect("write config");
+        let env = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let log = std::fs::File::create(dir.0.join("log")).expect("log file");
+        Self::spawn_to(dir, env, std::process::Stdio::from(log))
+    }
+
+    /// What a [`Gateway::start_logged`] gateway has logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.0.join("log")).unwrap_or_default()
+    }
+
     fn spawn(dir: TempDir, env: Vec<(String, String)>) -> Gateway {
+        Self::spawn_to(dir, env, std::process::Stdio::inherit())
+    }
+
+    fn spawn_to(dir: TempDir, env: Vec<(String, String)>, stderr: std::process::Stdio) -> Gateway {
         let path = dir.0.join("sluice.yaml");
         let mut all_env = vec![("SLUICE_ADMIN_TOKEN", ADMIN_TOKEN), ("SLUICE_LOG", "error")];
         all_env.extend(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-        let proc = Proc::spawn(
+        let proc = Proc::spawn_with_stderr(
             env!("CARGO_BIN_EXE_sluice"),
             &["run", "--config", path.to_str().expect("utf-8 path")],
             &all_env,
             &["client", "admin"],
+            stderr,
         );
         let client = proc.addr("client");
         let admin = proc.addr("admin");

@@ -48,11 +48,22 @@ impl Proc {
     /// `LISTENING <name> <addr>` for every name in `wait_for` (panics after
     /// [`STARTUP_TIMEOUT`], or if the child exits first, with everything it printed).
     pub fn spawn(bin: &str, args: &[&str], env: &[(&str, &str)], wait_for: &[&str]) -> Proc {
+        Self::spawn_with_stderr(bin, args, env, wait_for, Stdio::inherit())
+    }
+
+    /// [`Proc::spawn`] with the child's stderr (its log) sent to `stderr`.
+    pub fn spawn_with_stderr(
+        bin: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+        wait_for: &[&str],
+        stderr: Stdio,
+    ) -> Proc {
         let mut cmd = Command::new(bin);
         cmd.args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
+            .stderr(stderr);
         for (k, v) in env {
             cmd.env(k, v);
         }

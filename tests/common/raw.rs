@@ -12,7 +12,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// One thing the upstream does after reading a request.
@@ -30,6 +30,8 @@ pub enum Step {
 pub struct RawUpstream {
     pub addr: SocketAddr,
     calls: Arc<AtomicUsize>,
+    /// The request line of every request read, in order.
+    lines: Arc<Mutex<Vec<String>>>,
     stop: Arc<AtomicBool>,
 }
 
@@ -46,19 +48,25 @@ impl RawUpstream {
         let addr = listener.local_addr().expect("local addr");
         let calls = Arc::new(AtomicUsize::new(0));
         let stop = Arc::new(AtomicBool::new(false));
-        let (c, s) = (calls.clone(), stop.clone());
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let (c, s, l) = (calls.clone(), stop.clone(), lines.clone());
         std::thread::spawn(move || {
             while !s.load(Ordering::SeqCst) {
                 match listener.accept() {
                     Ok((stream, _)) => {
-                        let (c, s, script) = (c.clone(), s.clone(), script.clone());
-                        std::thread::spawn(move || serve(stream, &script, &c, &s));
+                        let (c, s, l, script) = (c.clone(), s.clone(), l.clone(), script.clone());
+                        std::thread::spawn(move || serve(stream, &script, &c, &s, &l));
                     }
                     Err(_) => std::thread::sleep(Duration::from_millis(10)),
                 }
             }
         });
-        RawUpstream { addr, calls, stop }
+        RawUpstream {
+            addr,
+            calls,
+            lines,
+            stop,
+        }
     }
 
     pub fn base_url(&self) -> String {
@@ -69,6 +77,11 @@ impl RawUpstream {
     pub fn calls(&self) -> usize {
         self.calls.load(Ordering::SeqCst)
     }
+
+    /// The request lines read so far (`POST /path HTTP/1.1`).
+    pub fn request_lines(&self) -> Vec<String> {
+        self.lines.lock().map(|l| l.clone()).unwrap_or_default()
+    }
 }
 
 impl Drop for RawUpstream {
@@ -77,9 +90,11 @@ impl Drop for RawUpstream {
     }
 }
 
-/// Reads one request (header and `Content-Length` body); false when none came.
-fn read_request(reader: &mut BufReader<TcpStream>) -> bool {
+/// Reads one request (header and `Content-Length` body), noting its request line;
+/// false when none came.
+fn read_request(reader: &mut BufReader<TcpStream>, lines: &Mutex<Vec<String>>) -> bool {
     let mut length = 0usize;
+    let mut first = true;
     loop {
         let mut line = String::new();
         match reader.read_line(&mut line) {
@@ -87,6 +102,12 @@ fn read_request(reader: &mut BufReader<TcpStream>) -> bool {
             Ok(_) => {}
         }
         let line = line.trim_end();
+        if first {
+            if let Ok(mut l) = lines.lock() {
+                l.push(line.to_string());
+            }
+            first = false;
+        }
         if line.is_empty() {
             break;
         }
@@ -100,13 +121,19 @@ fn read_request(reader: &mut BufReader<TcpStream>) -> bool {
     reader.read_exact(&mut body).is_ok()
 }
 
-fn serve(stream: TcpStream, script: &[Step], calls: &AtomicUsize, stop: &AtomicBool) {
+fn serve(
+    stream: TcpStream,
+    script: &[Step],
+    calls: &AtomicUsize,
+    stop: &AtomicBool,
+    lines: &Mutex<Vec<String>>,
+) {
     let _ = stream.set_nodelay(true);
     let mut reader = BufReader::new(match stream.try_clone() {
         Ok(s) => s,
         Err(_) => return,
     });
-    if !read_request(&mut reader) {
+    if !read_request(&mut reader, lines) {
         return;
     }
     calls.fetch_add(1, Ordering::SeqCst);
@@ -114,7 +141,7 @@ fn serve(stream: TcpStream, script: &[Step], calls: &AtomicUsize, stop: &AtomicB
     for step in script {
         match step {
             Step::ReadNext => {
-                if !read_request(&mut reader) {
+                if !read_request(&mut reader, lines) {
                     return;
                 }
                 calls.fetch_add(1, Ordering::SeqCst);

@@ -6,10 +6,11 @@
 //! config file) and only their presence is ever reported, never their value.
 
 mod resilience;
+mod server;
 
 use super::raw::*;
 use super::types::*;
-use super::units::{parse_duration, parse_size};
+use super::units::parse_duration;
 use serde::de::DeserializeOwned;
 use serde_yaml::{Mapping, Value};
 use sha2::{Digest, Sha256};
@@ -89,7 +90,12 @@ pub fn parse_str(
         warnings: Vec::new(),
     };
     let root: Value = match serde_yaml::from_str(text) {
-        Ok(Value::Null) => Value::Mapping(Mapping::new()),
+        // An empty file is what a truncating write (`>`, an editor saving) leaves
+        // behind for a moment: never a config (SPEC §6 reload safety).
+        Ok(Value::Null) => {
+            v.err("", "the file is empty (no YAML content): nothing to serve");
+            return Err(v.problems);
+        }
         Ok(v) => v,
         Err(e) => {
             v.err("", format!("not valid YAML: {e}"));
@@ -313,6 +319,18 @@ impl Validator<'_> {
         let clients = self.clients(root, &providers);
         let models = self.models(root, &providers, &declared);
         let resilience = self.resilience(root);
+        // A config that serves nothing is a half-written file, not an intent.
+        for (section, empty) in [
+            ("providers", root.get("providers").is_none_or(is_empty_list)),
+            ("models", root.get("models").is_none_or(is_empty_list)),
+        ] {
+            if empty {
+                self.err(
+                    section,
+                    format!("at least one entry is required (a config without {section} serves nothing)"),
+                );
+            }
+        }
         let emergency_fallback = match root.get("emergency_fallback") {
             None | Some(Value::Null) => None,
             Some(Value::String(s)) => {
@@ -338,53 +356,6 @@ impl Validator<'_> {
             resilience,
             emergency_fallback,
         })
-    }
-
-    fn server(&mut self, root: &Mapping) -> ServerConfig {
-        let raw: RawServer = self.section(root, "server");
-        let threads = raw.threads.unwrap_or(2);
-        if !(1..=256).contains(&threads) {
-            self.err("server.threads", "must be between 1 and 256");
-        }
-        let max_attempts = raw.max_attempts.unwrap_or(3);
-        if !(1..=20).contains(&max_attempts) {
-            self.err("server.max_attempts", "must be between 1 and 20");
-        }
-        let max_body_bytes = match raw.max_body_bytes {
-            None => 16 << 20,
-            Some(Value::Number(n)) => n.as_u64().unwrap_or(0),
-            Some(Value::String(s)) => match parse_size(&s) {
-                Ok(n) => n,
-                Err(e) => {
-                    self.err("server.max_body_bytes", e);
-                    16 << 20
-                }
-            },
-            Some(_) => {
-                self.err("server.max_body_bytes", "must be a size such as \"16MiB\"");
-                16 << 20
-            }
-        };
-        if !(1024..=(1u64 << 30)).contains(&max_body_bytes) {
-            self.err("server.max_body_bytes", "must be between 1KiB and 1GiB");
-        }
-        let listen = raw.listen.unwrap_or_else(|| "0.0.0.0:8080".into());
-        let admin_listen = raw.admin_listen.unwrap_or_else(|| "127.0.0.1:9090".into());
-        for (path, addr) in [
-            ("server.listen", &listen),
-            ("server.admin_listen", &admin_listen),
-        ] {
-            if addr.parse::<std::net::SocketAddr>().is_err() {
-                self.err(path, format!("{addr:?} is not an ip:port address"));
-            }
-        }
-        ServerConfig {
-            listen,
-            admin_listen,
-            threads,
-            max_body_bytes: max_body_bytes as usize,
-            max_attempts,
-        }
     }
 
     fn admin(&mut self, root: &Mapping) -> AdminConfig {
@@ -753,6 +724,15 @@ impl Validator<'_> {
 }
 
 /// The `id` of every item of a list section, whether or not the item is valid.
+/// Absent, null or `[]`; anything else is validated (and reported) as the list it is.
+fn is_empty_list(v: &Value) -> bool {
+    match v {
+        Value::Null => true,
+        Value::Sequence(items) => items.is_empty(),
+        _ => false,
+    }
+}
+
 fn declared_ids(list: Option<&Value>) -> HashSet<String> {
     let Some(Value::Sequence(items)) = list else {
         return HashSet::new();

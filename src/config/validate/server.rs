@@ -1,0 +1,85 @@
+//! Validation of the `server:` section (SPEC §6): listeners, sizes, attempts and the
+//! client-connection limits that keep slow or idle clients from holding the gateway.
+
+use super::Validator;
+use crate::config::raw::RawServer;
+use crate::config::types::ServerConfig;
+use crate::config::units::parse_size;
+use serde_yaml::{Mapping, Value};
+use std::time::Duration;
+
+impl Validator<'_> {
+    pub(super) fn server(&mut self, root: &Mapping) -> ServerConfig {
+        let raw: RawServer = self.section(root, "server");
+        let threads = raw.threads.unwrap_or(2);
+        if !(1..=256).contains(&threads) {
+            self.err("server.threads", "must be between 1 and 256");
+        }
+        let max_attempts = raw.max_attempts.unwrap_or(3);
+        if !(1..=20).contains(&max_attempts) {
+            self.err("server.max_attempts", "must be between 1 and 20");
+        }
+        let max_body_bytes = match raw.max_body_bytes {
+            None => 16 << 20,
+            Some(Value::Number(n)) => n.as_u64().unwrap_or(0),
+            Some(Value::String(s)) => match parse_size(&s) {
+                Ok(n) => n,
+                Err(e) => {
+                    self.err("server.max_body_bytes", e);
+                    16 << 20
+                }
+            },
+            Some(_) => {
+                self.err("server.max_body_bytes", "must be a size such as \"16MiB\"");
+                16 << 20
+            }
+        };
+        if !(1024..=(1u64 << 30)).contains(&max_body_bytes) {
+            self.err("server.max_body_bytes", "must be between 1KiB and 1GiB");
+        }
+        let listen = raw.listen.unwrap_or_else(|| "0.0.0.0:8080".into());
+        let admin_listen = raw.admin_listen.unwrap_or_else(|| "127.0.0.1:9090".into());
+        for (path, addr) in [
+            ("server.listen", &listen),
+            ("server.admin_listen", &admin_listen),
+        ] {
+            if addr.parse::<std::net::SocketAddr>().is_err() {
+                self.err(path, format!("{addr:?} is not an ip:port address"));
+            }
+        }
+        let mut timeout = |field: &str, text: Option<&String>, default: u64| {
+            let path = format!("server.{field}");
+            let d = self.duration(&path, text, Duration::from_secs(default));
+            if !(Duration::from_secs(1)..=Duration::from_secs(3600)).contains(&d) {
+                self.err(&path, "must be between 1s and 1h");
+            }
+            d
+        };
+        let client_header_timeout = timeout(
+            "client_header_timeout",
+            raw.client_header_timeout.as_ref(),
+            30,
+        );
+        let client_body_timeout =
+            timeout("client_body_timeout", raw.client_body_timeout.as_ref(), 60);
+        let keepalive_timeout = timeout("keepalive_timeout", raw.keepalive_timeout.as_ref(), 75);
+        let max_client_connections = raw.max_client_connections.unwrap_or(0);
+        if max_client_connections > 1_000_000 {
+            self.err(
+                "server.max_client_connections",
+                "must be at most 1000000 (0 = derived from the file limit)",
+            );
+        }
+        ServerConfig {
+            listen,
+            admin_listen,
+            threads,
+            max_body_bytes: max_body_bytes as usize,
+            max_attempts,
+            client_header_timeout,
+            client_body_timeout,
+            keepalive_timeout,
+            max_client_connections,
+        }
+    }
+}

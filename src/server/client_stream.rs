@@ -1,0 +1,419 @@
+//! A client connection's byte stream with the request-header guard (SPEC §6).
+//!
+//! Pingora reads a request header with a per-read timeout only, so a client sending one
+//! byte a second holds a connection forever, and its own HTTP-layer errors go out with
+//! empty bodies. [`ClientStream`] wraps the accepted socket and, while a request header
+//! is being read (the *header phase*), enforces:
+//! - a total deadline: `client_header_timeout` from the accept, or from the first byte
+//!   of a later request on a kept-alive connection (the idle wait before that byte is
+//!   Pingora's keep-alive timeout). Past it, reads fail and the connection closes;
+//! - a size limit ([`MAX_HEADER_BYTES`]): past it the client gets a 431 with the JSON
+//!   error body and the connection closes;
+//! - JSON error bodies: anything written during the header phase can only be Pingora's
+//!   own error response (a malformed header, a CONNECT), since the gateway has not seen
+//!   the request yet; it is replaced by the same status with a JSON error body and
+//!   `Connection: close`.
+//!
+//! The phase ends when the gateway's first hook calls [`ClientStream::header_done`]: the
+//! header parsed and the request is the gateway's from then on (the blank line alone
+//! does not end it, because Pingora may still answer a header it cannot parse). The
+//! connection loop re-arms it before every request. Outside the header phase the
+//! wrapper only forwards.
+
+use crate::clock::monotonic;
+use crate::codes::ErrorCode;
+use crate::config::Family;
+use crate::error::ClientError;
+use async_trait::async_trait;
+use pingora::protocols::{
+    GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, Ssl, Stream, UniqueID,
+    UniqueIDType,
+};
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::Sleep;
+
+const BODY: u8 = 0;
+const HEADER: u8 = 1;
+/// A header phase was asked for and not yet started (see `next_request`).
+const NEXT: u8 = 2;
+
+/// Largest request header accepted (request line and fields, blank line included).
+pub const MAX_HEADER_BYTES: usize = 64 * 1024;
+
+/// The accepted socket plus the header-phase guard.
+#[derive(Debug)]
+pub struct ClientStream {
+    inner: Stream,
+    header_timeout: Duration,
+    /// [`BODY`], [`HEADER`] or [`NEXT`]; shared with the hooks, which only hold `&`.
+    phase: AtomicU8,
+    /// The header phase's deadline, once it started.
+    deadline: Option<Instant>,
+    timer: Option<Pin<Box<Sleep>>>,
+    /// Header bytes seen so far this request (for the size limit), and whether its
+    /// blank line was among them (then nothing more is counted).
+    seen: usize,
+    complete: bool,
+    tail: [u8; 3],
+    /// The request line named an Anthropic route (errors then use its shape).
+    anthropic: bool,
+    /// A response of ours still to be written, and whether the read side then fails.
+    pending: Option<Pending>,
+}
+
+#[derive(Debug)]
+struct Pending {
+    bytes: Vec<u8>,
+    at: usize,
+    /// After writing: fail reads (our own rejection) rather than report the write done.
+    fail_reads: bool,
+}
+
+impl ClientStream {
+    /// Wraps a freshly accepted socket; its first header phase starts now.
+    pub fn new(inner: Stream, header_timeout: Duration) -> Self {
+        ClientStream {
+            inner,
+            header_timeout,
+            phase: AtomicU8::new(HEADER),
+            deadline: Some(monotonic() + header_timeout),
+            timer: None,
+            seen: 0,
+            complete: false,
+            tail: [0; 3],
+            anthropic: false,
+            pending: None,
+        }
+    }
+
+    /// Starts the header phase of the next request on a kept-alive connection: its
+    /// clock starts with that request's first byte. (The state is reset at the next
+    /// read, where the wrapper is held mutably.)
+    pub fn next_request(&self) {
+        self.phase.store(NEXT, Ordering::Relaxed);
+    }
+
+    fn reset(&mut self) {
+        self.phase.store(HEADER, Ordering::Relaxed);
+        self.deadline = None;
+        self.timer = None;
+        self.seen = 0;
+        self.complete = false;
+        self.tail = [0; 3];
+        self.anthropic = false;
+    }
+
+    /// The gateway saw the whole header: the guard stands down for this request.
+    pub fn header_done(&self) {
+        self.phase.store(BODY, Ordering::Relaxed);
+    }
+
+    fn in_header(&self) -> bool {
+        self.phase.load(Ordering::Relaxed) != BODY
+    }
+
+    /// Scans bytes just read in the header phase up to the blank line, queueing a 431
+    /// once the header outgrows the limit.
+    fn scan(&mut self, new: &[u8]) {
+        if self.complete {
+            return;
+        }
+        if self.seen == 0 {
+            self.anthropic = first_line(new).windows(13).any(|w| w == b" /v1/messages");
+        }
+        for (i, &b) in new.iter().enumerate() {
+            let window = [self.tail[0], self.tail[1], self.tail[2], b];
+            self.tail = [self.tail[1], self.tail[2], b];
+            if b == b'\n' && (window[2] == b'\n' || window[1..] == *b"\n\r\n") {
+                self.complete = true;
+                return;
+            }
+            if self.seen + i + 1 > MAX_HEADER_BYTES {
+                let e = ClientError::new(
+                    ErrorCode::HeaderTooLarge,
+                    format!("request header exceeds {MAX_HEADER_BYTES} bytes"),
+                );
+                self.reject(e, true);
+                return;
+            }
+        }
+        self.seen += new.len();
+    }
+
+    fn family(&self) -> Family {
+        if self.anthropic {
+            Family::Anthropic
+        } else {
+            Family::OpenAi
+        }
+    }
+
+    fn reject(&mut self, e: ClientError, fail_reads: bool) {
+        self.header_done();
+        self.pending = Some(Pending {
+            bytes: error_response(&e, self.family()),
+            at: 0,
+            fail_reads,
+        });
+    }
+
+    /// Writes what is pending; `Ready` once it is all out (or the socket broke).
+    fn drive_pending(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        while let Some(p) = self.pending.as_mut().filter(|p| p.at < p.bytes.len()) {
+            match Pin::new(&mut self.inner).poll_write(cx, &p.bytes[p.at..]) {
+                Poll::Ready(Ok(n)) if n > 0 => p.at += n,
+                Poll::Ready(_) => p.at = p.bytes.len(),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        let _ = ready!(Pin::new(&mut self.inner).poll_flush(cx));
+        Poll::Ready(())
+    }
+
+    /// `Ready(Err)` once the header deadline has passed.
+    fn poll_deadline(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
+        let Some(at) = self.deadline.filter(|_| self.in_header()) else {
+            self.timer = None;
+            return Poll::Pending;
+        };
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at.into())));
+        ready!(timer.as_mut().poll(cx));
+        Poll::Ready(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "client_header_timeout: the request header did not arrive in time",
+        ))
+    }
+}
+
+/// The request line (up to the first `\n`) of a buffer.
+fn first_line(b: &[u8]) -> &[u8] {
+    let end = b.iter().position(|&c| c == b'\n').unwrap_or(b.len());
+    &b[..end]
+}
+
+/// A complete `Connection: close` response carrying `e` as the family's JSON error.
+pub fn error_response(e: &ClientError, family: Family) -> Vec<u8> {
+    let body = crate::proxy::respond::error_body(family, e);
+    let status = e.status();
+    let reason = http::StatusCode::from_u16(status)
+        .ok()
+        .and_then(|s| s.canonical_reason())
+        .unwrap_or("Error");
+    let mut out = format!(
+        "HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(&body);
+    out
+}
+
+/// The client error a Pingora-written status stands for.
+fn pingora_error(status: u16) -> ClientError {
+    match status {
+        405 => ClientError::new(ErrorCode::MethodNotAllowed, "method not allowed"),
+        431 => ClientError::new(ErrorCode::HeaderTooLarge, "request header too large"),
+        _ => ClientError::invalid_request("malformed HTTP request"),
+    }
+}
+
+/// `NNN` of a buffer starting with `HTTP/1.x NNN`.
+fn status_of(b: &[u8]) -> Option<u16> {
+    let code = b.get(9..12)?;
+    if !b.starts_with(b"HTTP/1.") {
+        return None;
+    }
+    std::str::from_utf8(code).ok()?.parse().ok()
+}
+
+impl AsyncRead for ClientStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if let Some(fail) = this.pending.as_ref().map(|p| p.fail_reads) {
+            ready!(this.drive_pending(cx));
+            if fail {
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "request rejected by the header guard",
+                )));
+            }
+        }
+        match this.phase.load(Ordering::Relaxed) {
+            BODY => return Pin::new(&mut this.inner).poll_read(cx, buf),
+            NEXT => this.reset(),
+            _ => {}
+        }
+        let before = buf.filled().len();
+        match Pin::new(&mut this.inner).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                let new = &buf.filled()[before..];
+                if !new.is_empty() {
+                    if this.deadline.is_none() {
+                        this.deadline = Some(monotonic() + this.header_timeout);
+                    }
+                    this.scan(new);
+                    if this.pending.is_some() {
+                        buf.set_filled(before);
+                        cx.waker().wake_by_ref();
+                        return Poll::Pending;
+                    }
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+            Poll::Pending => match this.poll_deadline(cx) {
+                Poll::Ready(e) => Poll::Ready(Err(e)),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+}
+
+impl AsyncWrite for ClientStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.in_header() && this.pending.is_none() {
+            // Only Pingora's own error response can be written before the gateway saw
+            // the request: send the JSON version instead.
+            let e = pingora_error(status_of(buf).unwrap_or(400));
+            this.reject(e, false);
+        }
+        if this.pending.is_some() {
+            ready!(this.drive_pending(cx));
+            // Whatever Pingora writes after (its empty body) is swallowed.
+            return Poll::Ready(Ok(buf.len()));
+        }
+        Pin::new(&mut this.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.pending.is_some() {
+            ready!(this.drive_pending(cx));
+        }
+        Pin::new(&mut this.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.in_header() || this.pending.is_some() {
+            let first = bufs.iter().find(|b| !b.is_empty()).map_or(&[][..], |b| b);
+            let total = bufs.iter().map(|b| b.len()).sum();
+            return match Pin::new(this).poll_write(cx, first) {
+                Poll::Ready(Ok(_)) => Poll::Ready(Ok(total)),
+                other => other,
+            };
+        }
+        Pin::new(&mut this.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+#[async_trait]
+impl Shutdown for ClientStream {
+    async fn shutdown(&mut self) {
+        if self.pending.is_some() {
+            std::future::poll_fn(|cx| self.drive_pending(cx)).await;
+        }
+        self.inner.shutdown().await
+    }
+}
+
+impl UniqueID for ClientStream {
+    fn id(&self) -> UniqueIDType {
+        self.inner.id()
+    }
+}
+
+impl Ssl for ClientStream {}
+
+impl GetTimingDigest for ClientStream {
+    fn get_timing_digest(&self) -> Vec<Option<pingora::protocols::TimingDigest>> {
+        self.inner.get_timing_digest()
+    }
+    fn get_read_pending_time(&self) -> Duration {
+        self.inner.get_read_pending_time()
+    }
+    fn get_write_pending_time(&self) -> Duration {
+        self.inner.get_write_pending_time()
+    }
+}
+
+impl GetProxyDigest for ClientStream {
+    fn get_proxy_digest(&self) -> Option<Arc<pingora::protocols::raw_connect::ProxyDigest>> {
+        self.inner.get_proxy_digest()
+    }
+}
+
+impl GetSocketDigest for ClientStream {
+    fn get_socket_digest(&self) -> Option<Arc<pingora::protocols::SocketDigest>> {
+        self.inner.get_socket_digest()
+    }
+    fn set_socket_digest(&mut self, d: pingora::protocols::SocketDigest) {
+        self.inner.set_socket_digest(d)
+    }
+}
+
+#[async_trait]
+impl Peek for ClientStream {
+    async fn try_peek(&mut self, buf: &mut [u8]) -> io::Result<bool> {
+        self.inner.try_peek(buf).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_of_pingora_responses() {
+        assert_eq!(status_of(b"HTTP/1.1 400 Bad Request\r\n"), Some(400));
+        assert_eq!(status_of(b"HTTP/1.0 405 x"), Some(405));
+        assert_eq!(status_of(b"garbage"), None);
+        assert_eq!(status_of(b"HTTP/1.1 4"), None);
+    }
+
+    #[test]
+    fn error_responses_are_complete_json_with_close() {
+        let r = error_response(&pingora_error(405), Family::Anthropic);
+        let text = String::from_utf8(r).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        assert!(
+            head.starts_with("HTTP/1.1 405 Method Not Allowed\r\n"),
+            "{head}"
+        );
+        assert!(head.contains("connection: close"));
+        assert!(head.contains(&format!("content-length: {}", body.len())));
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["type"], "error");
+        assert_eq!(v["error"]["code"], "method_not_allowed");
+    }
+}

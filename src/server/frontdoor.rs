@@ -1,0 +1,231 @@
+//! The client listener: accept loop and per-connection HTTP/1 loop (SPEC §6 server).
+//!
+//! What it protects: the gateway's file descriptors and memory from slow, idle and
+//! numerous clients. Invariants:
+//! - at most `max_client_connections` client connections are served at once; beyond
+//!   that the accept loop stops accepting, so new connections wait in the kernel backlog
+//!   instead of holding a descriptor and buffers each;
+//! - every request header arrives within `client_header_timeout` and is at most
+//!   [`MAX_HEADER_BYTES`](super::client_stream::MAX_HEADER_BYTES) ([`ClientStream`]);
+//! - a request body never pauses longer than `client_body_timeout` between reads;
+//! - an idle kept-alive connection is closed after `keepalive_timeout`;
+//! - pipelined requests are answered in order (Pingora's HTTP/1 pipelining is on).
+//!
+//! The HTTP work itself stays Pingora's: each request is one
+//! `HttpServerApp::process_new_http` call on the proxy, exactly as Pingora's own
+//! listening service would make it; only the socket wrapper and the session settings
+//! are ours.
+
+use super::client_stream::ClientStream;
+use async_trait::async_trait;
+use pingora::apps::HttpServerApp;
+use pingora::protocols::http::ServerSession;
+use pingora::protocols::l4::listener::Listener;
+use pingora::protocols::Stream;
+use pingora::server::{ListenFds, ShutdownWatch};
+use pingora::services::Service;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Semaphore;
+
+/// The client-connection limits of `server:` (resolved: no zero left).
+#[derive(Clone, Copy, Debug)]
+pub struct ClientLimits {
+    pub header_timeout: Duration,
+    pub body_timeout: Duration,
+    pub keepalive_timeout: Duration,
+    pub max_connections: usize,
+}
+
+/// Descriptors kept free of client connections: upstream sockets beyond the pairs,
+/// the store, the admin listener, logs.
+const RESERVED_FDS: u64 = 256;
+
+impl ClientLimits {
+    /// `max_client_connections: 0` → (soft file limit − 256) ÷ 2: a proxied request
+    /// holds two sockets.
+    pub fn connections_for(configured: usize, file_limit: Option<u64>) -> usize {
+        if configured > 0 {
+            return configured;
+        }
+        let limit = file_limit.unwrap_or(1024);
+        (limit.saturating_sub(RESERVED_FDS) / 2).max(16) as usize
+    }
+}
+
+/// The soft `RLIMIT_NOFILE` of this process, from `/proc/self/limits` (Linux).
+pub fn file_limit() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = text.lines().find(|l| l.starts_with("Max open files"))?;
+    let soft = line.split_whitespace().nth(3)?;
+    match soft {
+        "unlimited" => Some(1 << 20),
+        n => n.parse().ok(),
+    }
+}
+
+/// A Pingora service that accepts client connections itself and hands each request
+/// to the HTTP app.
+pub struct FrontDoor<A> {
+    name: String,
+    app: Arc<A>,
+    listener: Option<std::net::TcpListener>,
+    limits: ClientLimits,
+    threads: Option<usize>,
+}
+
+impl<A: HttpServerApp + Send + Sync + 'static> FrontDoor<A> {
+    /// Binds `addr` now (a bad address fails at startup) and returns the bound address.
+    pub fn bind(
+        name: &str,
+        addr: &str,
+        app: A,
+        limits: ClientLimits,
+        threads: Option<usize>,
+    ) -> std::io::Result<(Self, SocketAddr)> {
+        let listener = std::net::TcpListener::bind(addr)?;
+        listener.set_nonblocking(true)?;
+        let local = listener.local_addr()?;
+        Ok((
+            FrontDoor {
+                name: name.to_string(),
+                app: Arc::new(app),
+                listener: Some(listener),
+                limits,
+                threads,
+            },
+            local,
+        ))
+    }
+}
+
+/// Resolves once the server is shutting down.
+async fn shutting_down(watch: &mut ShutdownWatch) {
+    while !*watch.borrow() {
+        if watch.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+#[async_trait]
+impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
+    async fn start_service(
+        &mut self,
+        _fds: Option<ListenFds>,
+        mut shutdown: ShutdownWatch,
+        _listeners_per_fd: usize,
+    ) {
+        let Some(std_listener) = self.listener.take() else {
+            return;
+        };
+        let listener = match tokio::net::TcpListener::from_std(std_listener) {
+            Ok(l) => Listener::from(l),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the client listener");
+                return;
+            }
+        };
+        let slots = Arc::new(Semaphore::new(self.limits.max_connections));
+        loop {
+            let permit = tokio::select! {
+                p = slots.clone().acquire_owned() => match p {
+                    Ok(p) => p,
+                    Err(_) => break,
+                },
+                _ = shutting_down(&mut shutdown) => break,
+            };
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                _ = shutting_down(&mut shutdown) => break,
+            };
+            let mut stream = match accepted {
+                Ok(s) => s,
+                Err(e) => {
+                    // EMFILE and the like: back off instead of spinning; the
+                    // connection stays in the backlog.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let _ = stream.set_nodelay();
+            let (app, limits, shutdown) = (self.app.clone(), self.limits, shutdown.clone());
+            tokio::spawn(async move {
+                serve(app, stream, limits, &shutdown).await;
+                drop(permit);
+            });
+        }
+    }
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn threads(&self) -> Option<usize> {
+        self.threads
+    }
+}
+
+/// One client connection: its requests, one `process_new_http` each, until it closes.
+async fn serve<A: HttpServerApp + Send + Sync + 'static>(
+    app: Arc<A>,
+    stream: pingora::protocols::l4::stream::Stream,
+    limits: ClientLimits,
+    shutdown: &ShutdownWatch,
+) {
+    let keepalive = limits.keepalive_timeout.as_secs().max(1);
+    let stream: Stream = Box::new(ClientStream::new(Box::new(stream), limits.header_timeout));
+    let mut session = ServerSession::new_http1(stream);
+    session.set_keepalive((!*shutdown.borrow()).then_some(keepalive));
+    let mut reused = app
+        .process_new_http(prepared(session, limits), shutdown)
+        .await;
+    while let Some((stream, settings)) = reused.map(|r| r.consume()) {
+        if let Some(cs) = stream.as_any().downcast_ref::<ClientStream>() {
+            cs.next_request();
+        }
+        let mut session = ServerSession::new_http1(stream);
+        if let Some(settings) = settings {
+            settings.apply_to_session(&mut session);
+        }
+        // Pingora turns an HTTP/1.1 request's keep-alive into "no timeout" when it
+        // parses it; the wait for the next request is ours to bound.
+        session.set_keepalive((!*shutdown.borrow()).then_some(keepalive));
+        reused = app
+            .process_new_http(prepared(session, limits), shutdown)
+            .await;
+    }
+}
+
+/// The per-request session settings Pingora does not carry across requests.
+fn prepared(mut session: ServerSession, limits: ClientLimits) -> ServerSession {
+    session.set_read_timeout(Some(limits.body_timeout));
+    session.set_pipelining_enabled(true);
+    session
+}
+
+/// The header guard of a session's connection, for the gateway's first hook.
+pub fn header_done(session: &ServerSession) {
+    if let Some(cs) = session
+        .stream()
+        .and_then(|s| s.as_any().downcast_ref::<ClientStream>())
+    {
+        cs.header_done();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ClientLimits;
+
+    #[test]
+    fn connection_cap_comes_from_the_file_limit_when_unset() {
+        assert_eq!(ClientLimits::connections_for(0, Some(20_000)), 9_872);
+        assert_eq!(ClientLimits::connections_for(0, Some(1024)), 384);
+        assert_eq!(ClientLimits::connections_for(0, Some(100)), 16);
+        assert_eq!(ClientLimits::connections_for(0, None), 384);
+        assert_eq!(ClientLimits::connections_for(500, Some(20_000)), 500);
+    }
+}
