@@ -17,7 +17,13 @@ use tracing_subscriber::fmt::MakeWriter;
 
 /// Log targets never shown below `info`: dependencies that print raw request bytes or
 /// headers at debug/trace level.
-pub const CAPPED_TARGETS: [&str; 4] = ["pingora_core", "pingora_proxy", "pingora", "h2"];
+pub const CAPPED_TARGETS: [&str; 4] = ["pingora", "h2", "hyper", "tokio_util"];
+
+/// Whether an event of `target` at `level` may be logged at all (before `SLUICE_LOG`
+/// decides): below `info`, nothing from a [`CAPPED_TARGETS`] crate.
+pub fn allowed(target: &str, level: tracing::Level) -> bool {
+    level <= tracing::Level::INFO || !CAPPED_TARGETS.iter().any(|t| target.starts_with(t))
+}
 
 /// Lines that may wait for the writer before new ones are dropped.
 const QUEUE: usize = 65_536;
@@ -134,4 +140,26 @@ pub fn background() -> Option<Background> {
         .spawn(move || drain(rx, d))
         .ok()?;
     Some(Background { tx, dropped })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::allowed;
+    use tracing::Level;
+
+    #[test]
+    fn dependencies_that_print_headers_stay_at_info() {
+        assert!(allowed(
+            "pingora_core::protocols::http::v1::client",
+            Level::INFO
+        ));
+        assert!(allowed("pingora_proxy", Level::ERROR));
+        assert!(!allowed(
+            "pingora_core::protocols::http::v1::client",
+            Level::TRACE
+        ));
+        assert!(!allowed("pingora_proxy", Level::DEBUG));
+        assert!(!allowed("h2::codec", Level::DEBUG));
+        assert!(allowed("sluice::access", Level::DEBUG));
+    }
 }

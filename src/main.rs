@@ -8,23 +8,28 @@ use std::io::IsTerminal;
 /// Logs go through a background writer (see `sluice::logging`); the returned handle
 /// flushes it before the process exits.
 fn init_logging() -> Option<sluice::logging::Background> {
-    let mut filter = tracing_subscriber::EnvFilter::try_from_env("SLUICE_LOG")
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SLUICE_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    // Pingora logs raw request bytes and headers (client keys, lease owner tokens) at
-    // debug and trace: its targets stay at info whatever SLUICE_LOG asks (SPEC §3).
-    for target in sluice::logging::CAPPED_TARGETS {
-        if let Ok(d) = format!("{target}=info").parse() {
-            filter = filter.add_directive(d);
-        }
-    }
+    // Pingora logs raw request bytes and headers (client keys, upstream keys, lease
+    // owner tokens) at debug and trace: a separate filter, which no SLUICE_LOG
+    // directive can override, keeps those targets at info (SPEC §3).
+    let cap = tracing_subscriber::filter::filter_fn(|meta| {
+        sluice::logging::allowed(meta.target(), *meta.level())
+    });
     let ansi = std::io::stderr().is_terminal();
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(ansi);
     let bg = sluice::logging::background();
     match bg.clone() {
-        Some(writer) => builder.with_writer(writer).init(),
-        None => builder.with_writer(std::io::stderr).init(),
+        Some(writer) => builder.with_writer(writer).finish().with(cap).init(),
+        None => builder
+            .with_writer(std::io::stderr)
+            .finish()
+            .with(cap)
+            .init(),
     }
     bg
 }

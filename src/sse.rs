@@ -25,6 +25,8 @@ pub struct SseProgress {
     is_ping: bool,
     /// The last chunk ended in CR: a LF starting the next one ends the same line.
     after_cr: bool,
+    /// The kept start of the current line is not all of it.
+    cut: bool,
 }
 
 impl SseProgress {
@@ -49,9 +51,7 @@ impl SseProgress {
             let complete: &[u8] = if self.partial.is_empty() {
                 line
             } else {
-                let room = KEEP.saturating_sub(self.partial.len());
-                self.partial
-                    .extend_from_slice(&line[..line.len().min(room)]);
+                self.keep(line);
                 &self.partial
             };
             if complete.is_empty() {
@@ -65,16 +65,45 @@ impl SseProgress {
                 self.has_data |= !value.trim_ascii().is_empty();
             } else if complete.starts_with(b"event:") {
                 let name = complete[6..].trim_ascii();
-                self.is_ping = name == b"ping";
+                self.is_ping = name == b"ping" && !self.cut;
             }
             self.partial.clear();
+            self.cut = false;
         }
         if !rest.is_empty() {
-            let room = KEEP.saturating_sub(self.partial.len());
-            self.partial
-                .extend_from_slice(&rest[..rest.len().min(room)]);
+            self.keep(rest);
         }
         progress
+    }
+
+    /// Keeps the start of a line that spans chunks, as its judgement needs it: the field
+    /// name, the colon, and the value from its first non-blank byte (padding after the
+    /// colon is dropped, so a padded line is judged as it would be whole), at most
+    /// [`KEEP`] bytes; `cut` notes that more followed.
+    fn keep(&mut self, mut bytes: &[u8]) {
+        let colon = self.partial.iter().position(|&b| b == b':');
+        match colon {
+            Some(c) if self.partial[c + 1..].iter().all(u8::is_ascii_whitespace) => {
+                self.partial.truncate(c + 1);
+                bytes = bytes.trim_ascii_start();
+            }
+            Some(_) => {}
+            None => {
+                if let Some(c) = bytes.iter().position(|&b| b == b':') {
+                    let (name, value) = bytes.split_at(c + 1);
+                    self.push(name);
+                    bytes = value.trim_ascii_start();
+                }
+            }
+        }
+        self.push(bytes);
+    }
+
+    fn push(&mut self, bytes: &[u8]) {
+        let room = KEEP.saturating_sub(self.partial.len());
+        self.cut |= bytes.len() > room;
+        self.partial
+            .extend_from_slice(&bytes[..bytes.len().min(room)]);
     }
 }
 
@@ -682,6 +711,67 @@ mod assembler_tests {
             }
             let bytes = stream.as_bytes();
             prop_assert_eq!(run(max, &cut(bytes, &cuts)), expected);
+        }
+    }
+}
+
+#[cfg(test)]
+mod memory_bound_tests {
+    //! Issue #8: the buffers of both trackers stay within their documented bounds on
+    //! endless input (a line that never ends, or lines of an event that never ends),
+    //! whatever the chunk sizes.
+    use super::*;
+    use proptest::prelude::*;
+
+    /// How a line may start: data, an event name, a comment, an unknown or over-long
+    /// field name, a byte order mark.
+    fn start() -> impl Strategy<Value = &'static [u8]> {
+        prop_oneof![
+            Just(&b"data: "[..]),
+            Just(&b"event: "[..]),
+            Just(&b":"[..]),
+            Just(&b"id: "[..]),
+            Just(&b"data"[..]),
+            Just(&b"\xEF\xBB\xBFdata:"[..]),
+            Just(&b"something_long_and_unknown"[..]),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(128))]
+
+        #[test]
+        fn buffers_stay_within_their_bounds_on_endless_input(
+            start in start(),
+            sizes in proptest::collection::vec(prop_oneof![4 => 1usize..64, 1 => 1usize..20_000], 1..60),
+            fill in any::<u8>().prop_filter("no line end", |b| *b != b'\n' && *b != b'\r'),
+            many_lines in any::<bool>(),
+            max in prop_oneof![0usize..256, 0usize..4096],
+        ) {
+            let mut a = SseAssembler::new(max);
+            let mut p = SseProgress::default();
+            let mut out = Vec::new();
+            a.feed(start, &mut out);
+            p.feed(start);
+            for (i, &n) in sizes.iter().enumerate() {
+                let mut chunk = vec![fill; n];
+                if many_lines && i % 2 == 1 {
+                    // End the line and start another of the same event (never a blank
+                    // line: each line has at least `start`).
+                    chunk[n / 2] = b'\n';
+                    chunk.extend_from_slice(start);
+                }
+                a.feed(&chunk, &mut out);
+                prop_assert!(!p.feed(&chunk));
+                prop_assert!(a.data.capacity() <= max, "data {} > {max}", a.data.capacity());
+                // The name's length is capped; its capacity grows by doubling up to that.
+                prop_assert!(a.event.len() <= EVENT_NAME_MAX);
+                prop_assert!(a.event.capacity() <= 2 * EVENT_NAME_MAX, "event {}", a.event.capacity());
+                prop_assert!(a.name.capacity() <= NAME_MAX, "name {}", a.name.capacity());
+                prop_assert!(p.partial.len() <= KEEP);
+                prop_assert!(p.partial.capacity() <= 2 * KEEP, "partial {}", p.partial.capacity());
+            }
+            prop_assert!(out.is_empty());
         }
     }
 }

@@ -130,12 +130,17 @@ fn the_watcher_never_applies_a_file_mid_write() {
     let full = config(&mock.base_url(), "", true);
     // Written in pieces 200 ms apart (an editor or a slow copy); the watcher must
     // never pick up a prefix. Each prefix would fail, so a failed reload would show.
+    let errors = || {
+        gw.metric("sluice_config_reloads_total{result=\"error\"}")
+            .unwrap_or(0.0)
+    };
+    let errors_before = errors();
     let path = gw.dir.0.join("sluice.yaml");
     let mut f = std::fs::File::create(&path).unwrap();
     for piece in full.as_bytes().chunks(full.len() / 4 + 1) {
         f.write_all(piece).unwrap();
         f.flush().unwrap();
-        std::thread::sleep(Duration::from_millis(200));
+        std::thread::sleep(Duration::from_millis(150));
     }
     drop(f);
     let full = full.replace("name: m\n", "name: m2\n");
@@ -148,6 +153,11 @@ fn the_watcher_never_applies_a_file_mid_write() {
     );
     let last = gw.admin_get("/api/config").json()["last_reload"].clone();
     assert_eq!(last["ok"], true, "a partial file was read: {last}");
+    assert_eq!(
+        errors(),
+        errors_before,
+        "a prefix of the file was loaded and rejected"
+    );
 }
 
 #[test]
@@ -225,7 +235,7 @@ fn count_tokens_is_proxied_and_its_4xx_is_final() {
         ]
         .concat(),
     )]);
-    let spare = Mock::start(&[]);
+    let spare = RawUpstream::start(vec![Step::Write(keep_alive_ok(r#"{"input_tokens":3}"#))]);
     let spare_provider = format!(
         "  - id: ant2\n    base_url: \"{}\"\n    api: anthropic\n    connections: [ {{ id: c, api_key_env: UP_KEY }} ]\nmodels:\n",
         spare.base_url()
@@ -252,11 +262,22 @@ fn count_tokens_is_proxied_and_its_4xx_is_final() {
         up.request_lines(),
         vec!["POST /v1/messages/count_tokens HTTP/1.1"]
     );
+    assert_eq!(spare.calls(), 0, "a count_tokens 4xx was failed over");
+    assert_eq!(r.header("x-sluice-attempts"), Some("1"));
+    // ... and it left no trace on the connection /v1/messages uses
+    let listing = gw.admin_get("/api/resilience/cooldowns").json();
+    let ant = listing["connections"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["provider"] == "ant")
+        .cloned()
+        .unwrap();
     assert_eq!(
-        spare.route_count("messages"),
-        0,
-        "a count_tokens 4xx was failed over"
+        ant["state"], "ok",
+        "count_tokens cooled the connection: {ant}"
     );
+    assert!(ant["last_status"].is_null(), "{ant}");
 }
 
 #[test]
@@ -267,17 +288,17 @@ fn two_pipelined_requests_are_both_answered_in_order() {
         &[("UP_KEY", UPSTREAM_KEY)],
     );
     let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
-    let one = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{}",
+    // A chat completion, then a model list, in one write: the list must come second.
+    let both = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{}GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
         body.len(),
         String::from_utf8_lossy(body)
     );
-    let both = format!(
-        "{one}{}",
-        one.replace("HTTP/1.1\r\n", "HTTP/1.1\r\nConnection: close\r\n")
-    );
     let out = raw_exchange(gw.client, both.as_bytes(), Duration::from_secs(10));
     assert_eq!(out.matches("HTTP/1.1 200").count(), 2, "{out}");
+    let chat = out.find("chat.completion").expect("the chat answer");
+    let list = out.find("\"object\":\"list\"").expect("the model list");
+    assert!(chat < list, "answered out of order: {out}");
 }
 
 #[test]
@@ -375,13 +396,19 @@ fn http_layer_errors_carry_the_family_json_body() {
     assert!(r.starts_with("HTTP/1.1 400"), "{r}");
     assert_eq!(json_body(&r)["error"]["code"], "invalid_request");
     // a broken chunked body: 400 JSON and the connection is not kept
+    let started = Instant::now();
     let r = raw_exchange(
         gw.client,
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nnope\r\n",
-        Duration::from_secs(5),
+        Duration::from_secs(8),
     );
     assert!(r.starts_with("HTTP/1.1 400"), "{r}");
     assert_eq!(json_body(&r)["error"]["code"], "invalid_request");
+    // the connection is closed after it, not kept for another request
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "connection kept open"
+    );
 }
 
 #[test]
@@ -441,7 +468,8 @@ fn an_upstream_echoing_its_key_never_shows_it() {
     )]);
     let yaml = config(&up.base_url(), "", true);
     let mut env = ENV.to_vec();
-    env.push(("SLUICE_LOG", "trace"));
+    // The most verbose setting, with a directive naming Pingora's own module.
+    env.push(("SLUICE_LOG", "trace,pingora_core::protocols=trace"));
     let mut gw = Gateway::start_logged(&yaml, &env);
     let owner = "lease-owner-token-abcdef123";
     let r = request(
@@ -473,7 +501,7 @@ fn an_upstream_echoing_its_key_never_shows_it() {
     let _ = raw_exchange(
         gw.client,
         format!(
-            "POST /v1/chat/completions HTTP/1.1\r\nAuthorization: Bearer {CLIENT_KEY}\r\nx-sluice-lease-owner: {owner}\r\nContent-Length: nope\r\n\r\n"
+            "POST /v1/chat/completions HTTP/1.1\r\nAuthorization: Bearer {CLIENT_KEY}\r\nx-sluice-lease-owner: {owner}\r\nBad Header Name: x\r\n\r\n"
         )
         .as_bytes(),
         Duration::from_secs(5),
@@ -510,4 +538,46 @@ fn connections_beyond_the_cap_wait_until_one_closes() {
     c.read_exact(&mut buf).unwrap();
     assert_eq!(&buf, b"HTTP/1.1 200");
     drop(b);
+}
+
+#[test]
+fn idle_kept_alive_connections_close_at_shutdown() {
+    let mock = Mock::start(&[]);
+    let gw = Gateway::start(
+        &config(&mock.base_url(), "", false),
+        &[("UP_KEY", UPSTREAM_KEY)],
+    );
+    let mut s = TcpStream::connect(gw.client).unwrap();
+    s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut first = [0u8; 12];
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.read_exact(&mut first).unwrap();
+    assert_eq!(&first, b"HTTP/1.1 200");
+    gw.proc.terminate();
+    let closed = time_to_close(&mut s, Duration::from_secs(8));
+    assert!(
+        closed < Duration::from_secs(3),
+        "idle connection kept {closed:?} after SIGTERM"
+    );
+}
+
+#[test]
+fn connections_over_the_cap_queue_in_a_deep_backlog() {
+    let mock = Mock::start(&[]);
+    let gw = Gateway::start(
+        &config(&mock.base_url(), "  max_client_connections: 1\n", false),
+        &[("UP_KEY", UPSTREAM_KEY)],
+    );
+    // One connection served, then 300 more: all must complete their handshake (the
+    // kernel queues them) rather than have their SYNs dropped by a 128-deep backlog.
+    let mut held = vec![TcpStream::connect(gw.client).unwrap()];
+    std::thread::sleep(Duration::from_millis(200));
+    for i in 0..300 {
+        match TcpStream::connect_timeout(&gw.client, Duration::from_millis(700)) {
+            Ok(s) => held.push(s),
+            Err(e) => panic!("connection {i} over the cap was refused or dropped: {e}"),
+        }
+    }
+    assert_eq!(held.len(), 301);
 }

@@ -6,6 +6,7 @@
 
 pub mod raw;
 pub mod settings;
+pub mod shape;
 pub mod types;
 pub mod units;
 pub mod validate;

@@ -72,15 +72,20 @@ impl Engine {
             .inc();
         let hint = parse_hint(headers, body, now);
         let message = excerpt(body);
-        let rec = self.record(
-            a,
-            Outcome::Http {
-                status,
-                class: &class,
-                hint,
-                message: &message,
-            },
-        );
+        // A request-scoped 4xx (count_tokens) says nothing about the connection.
+        let rec = if a.scoped(status) {
+            super::record::Recorded::default()
+        } else {
+            self.record(
+                a,
+                Outcome::Http {
+                    status,
+                    class: &class,
+                    hint,
+                    message: &message,
+                },
+            )
+        };
         let retry_after = match (&restated, hint) {
             (Some(r), _) => Some(r.retry_after_s),
             (None, Some(h)) => Some(h.as_secs_f64().ceil() as u64),

@@ -32,6 +32,16 @@ pub struct AttemptInfo<'a> {
     pub last: bool,
     /// The session-affinity pin key of the request, refreshed on success.
     pub pin: Option<&'a str>,
+    /// A 4xx answer is about this request alone (`count_tokens`): it is final and
+    /// leaves no trace on the provider, the connection or the model.
+    pub request_scoped_4xx: bool,
+}
+
+impl AttemptInfo<'_> {
+    /// Whether `status` is a 4xx of a request-scoped route.
+    pub fn scoped(&self, status: u16) -> bool {
+        self.request_scoped_4xx && (400..500).contains(&status)
+    }
 }
 
 pub enum Outcome<'a> {

@@ -385,15 +385,18 @@ pub fn spawn_watcher(engine: Arc<Engine>) -> std::io::Result<std::thread::JoinHa
             let mut last = stamp(&watched(&engine));
             let mut pending = None;
             loop {
-                let trigger = tokio::select! {
+                // The stamp of what this reload reads is taken before it reads: a change
+                // landing during the reload is seen by the next poll, never absorbed.
+                let (trigger, seen) = tokio::select! {
                     _ = tick.tick() => {
-                        if watch_step(&last, &mut pending, stamp(&watched(&engine))) != Watch::Stable { continue; }
-                        "file_change"
+                        let now = stamp(&watched(&engine));
+                        if watch_step(&last, &mut pending, now.clone()) != Watch::Stable { continue; }
+                        ("file_change", now)
                     }
-                    Some(_) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => "sighup",
+                    Some(_) = async { match hup.as_mut() { Some(h) => h.recv().await, None => std::future::pending().await } } => ("sighup", stamp(&watched(&engine))),
                 };
                 let _ = engine.reload_now(trigger);
-                last = stamp(&watched(&engine));
+                last = seen;
                 pending = None;
             }
         })

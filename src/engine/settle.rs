@@ -77,8 +77,12 @@ impl Engine {
                 body,
             } => {
                 let (p, c) = self.ids(a);
-                self.note_rate_limit(p, c, headers);
-                let v = self.judge_http(a, status, headers, body);
+                let scoped = a.scoped(status);
+                if !scoped {
+                    self.note_rate_limit(p, c, headers);
+                }
+                let mut v = self.judge_http(a, status, headers, body);
+                v.class.retryable &= !a.scoped(v.status);
                 let label = if v.class.retryable && !a.last {
                     "failover"
                 } else {

@@ -15,11 +15,14 @@ use std::borrow::Cow;
 pub const MASK: &str = "[redacted]";
 /// Shorter values are not masked.
 pub const MIN_SECRET: usize = 8;
+/// A cut-off tail this long or longer that starts a value is dropped.
+const MIN_PARTIAL: usize = 4;
 
 /// The credential values of one config generation, ready to mask.
 #[derive(Debug, Default)]
 pub struct Redactor {
     finder: Option<AhoCorasick>,
+    values: Vec<Box<[u8]>>,
 }
 
 impl Redactor {
@@ -37,7 +40,28 @@ impl Redactor {
             .match_kind(MatchKind::LeftmostLongest)
             .build(&values)
             .ok();
-        Redactor { finder }
+        let values = values.iter().map(|v| v.as_bytes().into()).collect();
+        Redactor { finder, values }
+    }
+
+    /// `input` masked, then cut to at most `limit` bytes; a tail that could be the start
+    /// of a value cut off by the limit (or by the read that stopped there) is dropped
+    /// too, so no prefix of a credential survives a cut.
+    pub fn bytes_within(&self, input: &[u8], limit: usize) -> Vec<u8> {
+        let mut out = self.bytes(input).into_owned();
+        out.truncate(limit);
+        let cut = self
+            .values
+            .iter()
+            .filter_map(|v| {
+                (MIN_PARTIAL..v.len())
+                    .rev()
+                    .find(|&k| out.ends_with(&v[..k]))
+            })
+            .max()
+            .unwrap_or(0);
+        out.truncate(out.len() - cut);
+        out
     }
 
     /// `input` with every credential masked (borrowed when there was none).
@@ -83,6 +107,19 @@ mod tests {
             Redactor::new([]).bytes(b"sk-test-AAAA1111"),
             Cow::Borrowed(_)
         ));
+    }
+
+    #[test]
+    fn a_cut_never_leaves_the_start_of_a_value() {
+        let r = Redactor::new(["sk-live-ABCDEFGH"]);
+        assert_eq!(
+            r.bytes_within(b"error: key sk-live-ABCDEFGH", 17),
+            b"error: key [redac"
+        );
+        assert_eq!(r.bytes_within(b"error: key sk-li", 64), b"error: key ");
+        // three bytes are not taken for a credential
+        assert_eq!(r.bytes_within(b"error: sk-", 64), b"error: sk-");
+        assert_eq!(r.bytes_within(b"fine", 64), b"fine");
     }
 
     #[test]

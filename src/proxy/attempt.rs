@@ -335,8 +335,7 @@ async fn hold_error(
     if let Wait::ClientGone = watch.race(session, limit, read).await {
         return AttemptEnd::ClientGone;
     }
-    buf.truncate(ERROR_BODY_LIMIT);
-    let (header, body) = redacted(&call.req.snap.redactor, header, buf.freeze());
+    let (header, body) = redacted(&call.req.snap.redactor, header, &buf);
     if complete {
         call.req
             .engine
@@ -353,11 +352,10 @@ async fn hold_error(
 
 /// A held error as it may be passed on or kept: every credential value masked in its
 /// body and header values (SPEC §3), before any rule, judge or client sees it.
-fn redacted(r: &Redactor, mut header: ResponseHeader, body: Bytes) -> (ResponseHeader, Bytes) {
-    let body = match r.bytes(&body) {
-        std::borrow::Cow::Borrowed(_) => body,
-        std::borrow::Cow::Owned(masked) => Bytes::from(masked),
-    };
+/// The body is cut to `ERROR_BODY_LIMIT` after masking, so a credential that straddles
+/// the limit leaves no prefix behind.
+fn redacted(r: &Redactor, mut header: ResponseHeader, body: &[u8]) -> (ResponseHeader, Bytes) {
+    let body = Bytes::from(r.bytes_within(body, ERROR_BODY_LIMIT));
     let mut leaked: Vec<http::HeaderName> = header
         .headers
         .iter()

@@ -26,7 +26,7 @@ use crate::engine::select::{Asker, Candidate};
 use crate::engine::settle::AttemptOutcome;
 use crate::engine::{Pick, Selection};
 use crate::policy::breaker::Permit;
-use crate::policy::failover::{Answer, Ended, Failover, Limits, Next, Offer, Queued, Refusal};
+use crate::policy::failover::{Answer, Failover, Limits, Next, Offer, Queued, Refusal};
 use crate::policy::{ms, retry_after_secs, Millis};
 use pingora::proxy::Session;
 use std::time::{Duration, Instant};
@@ -189,12 +189,7 @@ impl Driver<'_> {
             attempt(session, &mut self.watch, &call, ctx).await
         };
         let info = info(&self.req, pick, started, slot.probe, fsm.is_last_attempt());
-        let mut settled = engine.settle(&info, outcome_of(&end)).await;
-        if let (Ended::Refused { retryable, .. }, AttemptEnd::Refused(e)) =
-            (&mut settled.ended, &end)
-        {
-            *retryable &= !(self.req.route.final_4xx() && e.header.status.is_client_error());
-        }
+        let settled = engine.settle(&info, outcome_of(&end)).await;
         if let Some(v) = &settled.verdict {
             ctx.records.push(record(&self.req, pick, v));
         }
@@ -402,6 +397,7 @@ fn info<'r>(
         probe,
         last,
         pin: req.pin_key.as_deref(),
+        request_scoped_4xx: req.route.final_4xx(),
     }
 }
 

@@ -7,6 +7,7 @@
 //! cannot reach a provider as a 404 that then counts against a model.
 
 use crate::config::Family;
+use std::borrow::Cow;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Route {
@@ -24,7 +25,7 @@ impl Route {
     /// Matches a request line (the path is normalised first; the query is ignored).
     pub fn from_request(method: &str, path: &str) -> Option<Route> {
         let path = normalize(path);
-        let route = match path.as_str() {
+        let route = match &*path {
             "/v1/chat/completions" => Route::ChatCompletions,
             "/v1/completions" => Route::Completions,
             "/v1/embeddings" => Route::Embeddings,
@@ -108,8 +109,17 @@ impl Route {
 /// The path part of a request target, normalised for matching (see the module doc).
 /// A `%XX` that is not an unreserved character (`%2F`, `%00`, bad hex) stays as written,
 /// so it can never turn into a separator or a route.
-pub fn normalize(target: &str) -> String {
+pub fn normalize(target: &str) -> Cow<'_, str> {
     let path = target.split(['?', '#']).next().unwrap_or("");
+    // The common case, already canonical: no copy.
+    if path.starts_with('/')
+        && (path.len() == 1 || !path.ends_with('/'))
+        && !path.contains("//")
+        && !path.contains('%')
+        && !path.split('/').any(|s| s == "." || s == "..")
+    {
+        return Cow::Borrowed(path);
+    }
     let mut segments: Vec<String> = Vec::new();
     for raw in path.split('/') {
         let seg = decode_unreserved(raw);
@@ -129,7 +139,7 @@ pub fn normalize(target: &str) -> String {
     if out.is_empty() {
         out.push('/');
     }
-    out
+    Cow::Owned(out)
 }
 
 fn decode_unreserved(seg: &str) -> String {

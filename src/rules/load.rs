@@ -218,6 +218,10 @@ impl<'a> Cx<'a> {
 
     /// The document's `rules:` items, each with its path (`rules[3]`).
     fn items(&mut self, text: &str) -> Vec<(String, Value)> {
+        if let Err(reason) = crate::config::shape::check(text) {
+            self.err("", reason);
+            return Vec::new();
+        }
         let root: Value = match serde_yaml::from_str(text) {
             Ok(v) => v,
             Err(e) => {
@@ -225,8 +229,13 @@ impl<'a> Cx<'a> {
                 return Vec::new();
             }
         };
+        // An empty file or one without `rules:` is what a truncating save leaves: a
+        // file with no rules says so with `rules: []` (SPEC §6 reload safety).
         let root = match root {
-            Value::Null => return Vec::new(),
+            Value::Null => {
+                self.err("", "the file is empty; write `rules: []` for no rules");
+                return Vec::new();
+            }
             Value::Mapping(m) => m,
             _ => {
                 self.err("", "the top level must be a mapping with a `rules:` list");
@@ -241,7 +250,11 @@ impl<'a> Cx<'a> {
             }
         }
         let list = match root.get("rules") {
-            None | Some(Value::Null) => return Vec::new(),
+            None => {
+                self.err("rules", "missing; write `rules: []` for no rules");
+                return Vec::new();
+            }
+            Some(Value::Null) => return Vec::new(),
             Some(Value::Sequence(list)) => list,
             Some(_) => {
                 self.err("rules", "must be a list");

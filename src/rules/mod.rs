@@ -187,7 +187,7 @@ impl RuleSet {
         let mut read = |name: &str| -> Option<(String, String)> {
             let path = dir.join(name);
             let label = path.display().to_string();
-            match std::fs::read_to_string(&path) {
+            match crate::config::shape::read_file(&path, crate::config::shape::MAX_BYTES) {
                 Ok(text) => Some((label, text)),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
                 Err(e) => {

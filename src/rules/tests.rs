@@ -67,12 +67,20 @@ fn restatement_exclusion_provider_and_status_mismatch() {
 }
 
 #[test]
-fn missing_or_empty_files_mean_no_rules() {
-    for text in ["", "rules: []", "rules:", "# only a comment\n"] {
+fn missing_files_and_empty_lists_mean_no_rules() {
+    for text in ["rules: []", "rules:"] {
         let set = RuleSet::from_texts(Some(("r", text)), Some(("c", text))).unwrap();
         assert_eq!(
             (set.restatement_count(), set.classification_count()),
             (0, 0)
+        );
+    }
+    // What a truncating save leaves is an error, never "no rules" (SPEC §6).
+    for text in ["", "# only a comment\n", "other: 1\n"] {
+        let problems = RuleSet::from_texts(Some(("r.yaml", text)), None).unwrap_err();
+        assert!(
+            problems.iter().any(|p| p.file == "r.yaml"),
+            "{text:?}: {problems:?}"
         );
     }
     let set = RuleSet::from_texts(None, None).unwrap();

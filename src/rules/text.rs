@@ -252,3 +252,62 @@ mod tests {
         assert!(!h.contains(&m("abcd")));
     }
 }
+
+#[cfg(test)]
+mod decode_props {
+    //! Issue #8: escape decoding is total, never grows the body, and inverts JSON
+    //! string escaping (both serde's and an ASCII-only encoder's).
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Escape-heavy byte soup: complete, partial and broken escapes among raw bytes.
+    fn soup() -> impl Strategy<Value = Vec<u8>> {
+        let piece = prop_oneof![
+            proptest::sample::select(vec![
+                "\\", "\\u", "\\U", "\\ud83d", "\\ude00", "\\udc00", "\\u00", "\\u0041", "\\n",
+                "\\\"", "\\/", "\\x", "u", "D8", "0",
+            ])
+            .prop_map(|s| s.as_bytes().to_vec()),
+            proptest::collection::vec(any::<u8>(), 0..6),
+        ];
+        proptest::collection::vec(piece, 0..80).prop_map(|v| v.concat())
+    }
+
+    /// `s` with every character written as `\uXXXX` (surrogate pairs above the BMP).
+    fn ascii_escaped(s: &str) -> String {
+        let mut out = String::from("\"");
+        let mut units = [0u16; 2];
+        for c in s.chars() {
+            for u in c.encode_utf16(&mut units) {
+                out.push_str(&format!("\\u{u:04X}"));
+            }
+        }
+        out.push('"');
+        out
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn decoding_is_total_and_never_grows(bytes in soup()) {
+            let decoded = unescape(&bytes);
+            prop_assert!(decoded.len() <= bytes.len());
+            let hay = Haystack::new(&bytes);
+            prop_assert!(hay.bytes.len() <= MAX_SCAN_BYTES);
+            prop_assert_eq!(hay.decoded.is_some(), bytes.contains(&b'\\'));
+            if let Some(d) = &hay.decoded {
+                prop_assert!(d.len() <= hay.bytes.len());
+            }
+        }
+
+        #[test]
+        fn decoding_inverts_json_escaping(s in any::<String>()) {
+            let want = format!("\"{}\"", s.to_ascii_lowercase()).into_bytes();
+            for encoded in [serde_json::to_string(&s).unwrap(), ascii_escaped(&s)] {
+                let lowered = encoded.to_ascii_lowercase();
+                prop_assert_eq!(unescape(lowered.as_bytes()), want.clone(), "{:?}", encoded);
+            }
+        }
+    }
+}

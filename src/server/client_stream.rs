@@ -14,6 +14,11 @@
 //!   the request yet; it is replaced by the same status with a JSON error body and
 //!   `Connection: close`.
 //!
+//! Outside the header phase it coalesces small writes (up to [`WRITE_BUFFER`] bytes,
+//! sent on flush or when full), as Pingora's own socket buffer does, so a response's
+//! header and a short body leave in one send. Pingora flushes wherever a response must
+//! go out.
+//!
 //! The phase ends when the gateway's first hook calls [`ClientStream::header_done`]: the
 //! header parsed and the request is the gateway's from then on (the blank line alone
 //! does not end it, because Pingora may still answer a header it cannot parse). The
@@ -44,6 +49,9 @@ const HEADER: u8 = 1;
 /// A header phase was asked for and not yet started (see `next_request`).
 const NEXT: u8 = 2;
 
+/// Small writes are held up to this size (one TCP segment) until a flush.
+pub const WRITE_BUFFER: usize = 1460;
+
 /// Largest request header accepted (request line and fields, blank line included).
 pub const MAX_HEADER_BYTES: usize = 64 * 1024;
 
@@ -66,6 +74,8 @@ pub struct ClientStream {
     anthropic: bool,
     /// A response of ours still to be written, and whether the read side then fails.
     pending: Option<Pending>,
+    /// Coalesced writes not yet sent.
+    wbuf: Vec<u8>,
 }
 
 #[derive(Debug)]
@@ -90,6 +100,7 @@ impl ClientStream {
             tail: [0; 3],
             anthropic: false,
             pending: None,
+            wbuf: Vec::new(),
         }
     }
 
@@ -122,29 +133,42 @@ impl ClientStream {
     /// Scans bytes just read in the header phase up to the blank line, queueing a 431
     /// once the header outgrows the limit.
     fn scan(&mut self, new: &[u8]) {
-        if self.complete {
+        if self.complete || new.is_empty() {
             return;
         }
         if self.seen == 0 {
             self.anthropic = first_line(new).windows(13).any(|w| w == b" /v1/messages");
         }
-        for (i, &b) in new.iter().enumerate() {
-            let window = [self.tail[0], self.tail[1], self.tail[2], b];
-            self.tail = [self.tail[1], self.tail[2], b];
-            if b == b'\n' && (window[2] == b'\n' || window[1..] == *b"\n\r\n") {
-                self.complete = true;
-                return;
+        // The byte `back` places before `new[i]`, reaching into the previous read.
+        let tail = self.tail;
+        let before = |i: usize, back: usize| -> u8 {
+            if i >= back {
+                new[i - back]
+            } else {
+                tail[3 - (back - i)]
             }
-            if self.seen + i + 1 > MAX_HEADER_BYTES {
-                let e = ClientError::new(
-                    ErrorCode::HeaderTooLarge,
-                    format!("request header exceeds {MAX_HEADER_BYTES} bytes"),
-                );
-                self.reject(e, true);
-                return;
-            }
+        };
+        let end = memchr::memchr_iter(b'\n', new).find(|&i| {
+            let p = before(i, 1);
+            p == b'\n' || (p == b'\r' && before(i, 2) == b'\n')
+        });
+        let header_len = self.seen + end.map_or(new.len(), |i| i + 1);
+        if header_len > MAX_HEADER_BYTES {
+            let e = ClientError::new(
+                ErrorCode::HeaderTooLarge,
+                format!("request header exceeds {MAX_HEADER_BYTES} bytes"),
+            );
+            self.reject(e, true);
+            return;
         }
-        self.seen += new.len();
+        if end.is_some() {
+            self.complete = true;
+            return;
+        }
+        self.seen = header_len;
+        for &b in &new[new.len().saturating_sub(3)..] {
+            self.tail = [self.tail[1], self.tail[2], b];
+        }
     }
 
     fn family(&self) -> Family {
@@ -175,6 +199,20 @@ impl ClientStream {
         }
         let _ = ready!(Pin::new(&mut self.inner).poll_flush(cx));
         Poll::Ready(())
+    }
+
+    /// Sends the coalesced writes; `Ready(Ok)` once none is left.
+    fn drain_wbuf(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while !self.wbuf.is_empty() {
+            match ready!(Pin::new(&mut self.inner).poll_write(cx, &self.wbuf)) {
+                Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                Ok(n) => {
+                    self.wbuf.drain(..n);
+                }
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+        Poll::Ready(Ok(()))
     }
 
     /// `Ready(Err)` once the header deadline has passed.
@@ -289,6 +327,11 @@ impl AsyncWrite for ClientStream {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
+        if this.phase.load(Ordering::Relaxed) == NEXT {
+            // A pipelined header Pingora had already buffered: nothing of the last
+            // request's header state applies to it.
+            this.reset();
+        }
         if this.in_header() && this.pending.is_none() {
             // Only Pingora's own error response can be written before the gateway saw
             // the request: send the JSON version instead.
@@ -300,7 +343,17 @@ impl AsyncWrite for ClientStream {
             // Whatever Pingora writes after (its empty body) is swallowed.
             return Poll::Ready(Ok(buf.len()));
         }
-        Pin::new(&mut this.inner).poll_write(cx, buf)
+        if !this.wbuf.is_empty() && this.wbuf.len() + buf.len() > WRITE_BUFFER {
+            ready!(this.drain_wbuf(cx))?;
+        }
+        if buf.len() >= WRITE_BUFFER {
+            return Pin::new(&mut this.inner).poll_write(cx, buf);
+        }
+        if this.wbuf.capacity() == 0 {
+            this.wbuf.reserve_exact(WRITE_BUFFER);
+        }
+        this.wbuf.extend_from_slice(buf);
+        Poll::Ready(Ok(buf.len()))
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -308,32 +361,32 @@ impl AsyncWrite for ClientStream {
         if this.pending.is_some() {
             ready!(this.drive_pending(cx));
         }
+        ready!(this.drain_wbuf(cx))?;
         Pin::new(&mut this.inner).poll_flush(cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        if this.in_header() || this.pending.is_some() {
-            let first = bufs.iter().find(|b| !b.is_empty()).map_or(&[][..], |b| b);
-            let total = bufs.iter().map(|b| b.len()).sum();
-            return match Pin::new(this).poll_write(cx, first) {
-                Poll::Ready(Ok(_)) => Poll::Ready(Ok(total)),
-                other => other,
-            };
+        if this.pending.is_some() {
+            ready!(this.drive_pending(cx));
         }
-        Pin::new(&mut this.inner).poll_write_vectored(cx, bufs)
+        let _ = ready!(this.drain_wbuf(cx));
+        Pin::new(&mut this.inner).poll_shutdown(cx)
     }
+}
 
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
+/// A connection dropped without a flush (a stream cut on purpose, so the client sees a
+/// broken body rather than a complete one) still sends what it had coalesced, when the
+/// socket takes it at once: the header and bytes before the cut are not held back.
+impl Drop for ClientStream {
+    fn drop(&mut self) {
+        if self.wbuf.is_empty() {
+            return;
+        }
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        if let Poll::Ready(Ok(())) = self.drain_wbuf(&mut cx) {
+            let _ = Pin::new(&mut self.inner).poll_flush(&mut cx);
+        }
     }
 }
 
@@ -343,6 +396,7 @@ impl Shutdown for ClientStream {
         if self.pending.is_some() {
             std::future::poll_fn(|cx| self.drive_pending(cx)).await;
         }
+        let _ = std::future::poll_fn(|cx| self.drain_wbuf(cx)).await;
         self.inner.shutdown().await
     }
 }

@@ -8,13 +8,16 @@
 //! - every request header arrives within `client_header_timeout` and is at most
 //!   [`MAX_HEADER_BYTES`](super::client_stream::MAX_HEADER_BYTES) ([`ClientStream`]);
 //! - a request body never pauses longer than `client_body_timeout` between reads;
-//! - an idle kept-alive connection is closed after `keepalive_timeout`;
+//! - an idle kept-alive connection is closed after `keepalive_timeout`, and a client
+//!   that takes no response bytes for 60 s is cut;
 //! - pipelined requests are answered in order (Pingora's HTTP/1 pipelining is on).
 //!
 //! The HTTP work itself stays Pingora's: each request is one
 //! `HttpServerApp::process_new_http` call on the proxy, exactly as Pingora's own
 //! listening service would make it; only the socket wrapper and the session settings
-//! are ours.
+//! are ours, and at shutdown the proxy's cleanup wakes idle sessions as Pingora's
+//! service would. The listening socket is bound with Pingora's backlog (65,535) and
+//! listed in the server's fd table.
 
 use super::client_stream::ClientStream;
 use async_trait::async_trait;
@@ -25,6 +28,7 @@ use pingora::protocols::Stream;
 use pingora::server::{ListenFds, ShutdownWatch};
 use pingora::services::Service;
 use std::net::SocketAddr;
+use std::os::fd::IntoRawFd;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Semaphore;
@@ -84,8 +88,7 @@ impl<A: HttpServerApp + Send + Sync + 'static> FrontDoor<A> {
         limits: ClientLimits,
         threads: Option<usize>,
     ) -> std::io::Result<(Self, SocketAddr)> {
-        let listener = std::net::TcpListener::bind(addr)?;
-        listener.set_nonblocking(true)?;
+        let listener = listen(addr)?;
         let local = listener.local_addr()?;
         Ok((
             FrontDoor {
@@ -98,6 +101,32 @@ impl<A: HttpServerApp + Send + Sync + 'static> FrontDoor<A> {
             local,
         ))
     }
+}
+
+/// Pingora's listen backlog (the kernel caps it at `net.core.somaxconn`): connections
+/// beyond `max_client_connections` wait here.
+const BACKLOG: i32 = 65_535;
+
+/// A non-blocking listening socket on `addr` with Pingora's backlog and `SO_REUSEADDR`.
+fn listen(addr: &str) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let addr: SocketAddr = addr
+        .parse()
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(BACKLOG)?;
+    socket.set_nonblocking(true)?;
+    Ok(socket.into())
+}
+
+/// Accept errors that mean "out of descriptors or memory": wait before the next accept
+/// (the connection stays in the backlog). Others (a connection aborted before it was
+/// accepted) are retried at once.
+fn is_resource_exhaustion(e: &std::io::Error) -> bool {
+    // EMFILE, ENFILE, ENOBUFS, ENOMEM
+    matches!(e.raw_os_error(), Some(24 | 23 | 105 | 12))
 }
 
 /// Resolves once the server is shutting down.
@@ -113,13 +142,20 @@ async fn shutting_down(watch: &mut ShutdownWatch) {
 impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
     async fn start_service(
         &mut self,
-        _fds: Option<ListenFds>,
+        fds: Option<ListenFds>,
         mut shutdown: ShutdownWatch,
         _listeners_per_fd: usize,
     ) {
         let Some(std_listener) = self.listener.take() else {
             return;
         };
+        // Pingora's fd table lists every listening socket (what a graceful upgrade
+        // hands on); ours is there under its bound address, as a duplicate.
+        if let (Some(table), Ok(local), Ok(dup)) =
+            (&fds, std_listener.local_addr(), std_listener.try_clone())
+        {
+            table.lock().add(local.to_string(), dup.into_raw_fd());
+        }
         let listener = match tokio::net::TcpListener::from_std(std_listener) {
             Ok(l) => Listener::from(l),
             Err(e) => {
@@ -142,11 +178,17 @@ impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
             };
             let mut stream = match accepted {
                 Ok(s) => s,
-                Err(e) => {
-                    // EMFILE and the like: back off instead of spinning; the
-                    // connection stays in the backlog.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                Err(e) if is_resource_exhaustion(&e) => {
+                    tracing::warn!(error = %e, "accept failed: out of resources, retrying");
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_millis(50)) => continue,
+                        _ = shutting_down(&mut shutdown) => break,
+                    }
+                }
+                Err(_) => {
+                    // ECONNABORTED and the like: the next connection is ready now; the
+                    // millisecond keeps a persistent error from spinning.
+                    tokio::time::sleep(Duration::from_millis(1)).await;
                     continue;
                 }
             };
@@ -157,6 +199,9 @@ impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
                 drop(permit);
             });
         }
+        // As Pingora's own service does: wake the sessions idling between requests so
+        // kept-alive connections close now rather than at their keep-alive timeout.
+        self.app.http_cleanup().await;
     }
 
     fn name(&self) -> &str {
@@ -199,9 +244,14 @@ async fn serve<A: HttpServerApp + Send + Sync + 'static>(
     }
 }
 
+/// A client that takes no response bytes for this long (its receive window stays shut)
+/// is cut: it would hold its connection slot, an upstream socket and its permits.
+const SEND_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// The per-request session settings Pingora does not carry across requests.
 fn prepared(mut session: ServerSession, limits: ClientLimits) -> ServerSession {
     session.set_read_timeout(Some(limits.body_timeout));
+    session.set_write_timeout(Some(SEND_TIMEOUT));
     session.set_pipelining_enabled(true);
     session
 }

@@ -19,6 +19,9 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+/// Largest secret file read (a key, a token).
+const SECRET_FILE_MAX: usize = 64 * 1024;
+
 /// One problem (or warning) found in a config file.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Problem {
@@ -58,7 +61,7 @@ pub struct ConfigText {
 /// Reads the config file at `path` (an unreadable file is a problem like any other).
 pub fn read_source(path: &Path) -> Result<ConfigText, Vec<Problem>> {
     let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|e| {
+    let text = super::shape::read_file(path, super::shape::MAX_BYTES).map_err(|e| {
         vec![Problem {
             file: file.clone(),
             path: String::new(),
@@ -89,6 +92,10 @@ pub fn parse_str(
         problems: Vec::new(),
         warnings: Vec::new(),
     };
+    if let Err(reason) = super::shape::check(text) {
+        v.err("", reason);
+        return Err(v.problems);
+    }
     let root: Value = match serde_yaml::from_str(text) {
         // An empty file is what a truncating write (`>`, an editor saving) leaves
         // behind for a moment: never a config (SPEC §6 reload safety).
@@ -270,7 +277,7 @@ impl Validator<'_> {
             },
             (None, Some(f)) => {
                 let p = self.base_dir.join(f);
-                match std::fs::read_to_string(&p) {
+                match super::shape::read_file(&p, SECRET_FILE_MAX) {
                     Ok(v) if !v.trim().is_empty() => Some(Secret::new(v.trim().to_string())),
                     Ok(_) => {
                         self.err(
