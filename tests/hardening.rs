@@ -46,6 +46,25 @@ models:
     )
 }
 
+/// The bundled mock and a gateway on it (`server_extra` goes under `server:`).
+fn on_mock(server_extra: &str, clients: bool) -> (Mock, Gateway) {
+    let mock = Mock::start(&[]);
+    let gw = Gateway::start(&config(&mock.base_url(), server_extra, clients), ENV);
+    (mock, gw)
+}
+
+/// A chat request without a client key.
+fn anonymous_chat(gw: &Gateway) -> u16 {
+    request(
+        gw.client,
+        "POST",
+        "/v1/chat/completions",
+        &[("content-type", "application/json")],
+        br#"{"model":"m","messages":[]}"#,
+    )
+    .status
+}
+
 fn chat(gw: &Gateway, path: &str) -> common::Response {
     request(
         gw.client,
@@ -96,8 +115,7 @@ fn time_to_close(s: &mut TcpStream, limit: Duration) -> Duration {
 
 #[test]
 fn empty_and_half_written_reloads_leave_the_old_config_serving() {
-    let mock = Mock::start(&[]);
-    let gw = Gateway::start(&config(&mock.base_url(), "", true), ENV);
+    let (mock, gw) = on_mock("", true);
     assert_eq!(chat(&gw, "/v1/chat/completions").status, 200);
     let full = config(&mock.base_url(), "", true);
     let half = &full[..full.find("models:").unwrap()];
@@ -110,14 +128,7 @@ fn empty_and_half_written_reloads_leave_the_old_config_serving() {
         let cfg = gw.admin_get("/api/config");
         assert_eq!(cfg.status, 200, "{what}: admin token lost");
         assert_eq!(cfg.json()["last_reload"]["ok"], false, "{what}");
-        let anon = request(
-            gw.client,
-            "POST",
-            "/v1/chat/completions",
-            &[("content-type", "application/json")],
-            br#"{"model":"m","messages":[]}"#,
-        );
-        assert_eq!(anon.status, 401, "{what}: client auth dropped");
+        assert_eq!(anonymous_chat(&gw), 401, "{what}: client auth dropped");
     }
     let err = gw.admin_get("/api/config").json()["last_reload"]["error"].to_string();
     assert!(err.contains("models"), "{err}");
@@ -125,8 +136,7 @@ fn empty_and_half_written_reloads_leave_the_old_config_serving() {
 
 #[test]
 fn the_watcher_never_applies_a_file_mid_write() {
-    let mock = Mock::start(&[]);
-    let gw = Gateway::start(&config(&mock.base_url(), "", true), ENV);
+    let (mock, gw) = on_mock("", true);
     let full = config(&mock.base_url(), "", true);
     // Written in pieces 200 ms apart (an editor or a slow copy); the watcher must
     // never pick up a prefix. Each prefix would fail, so a failed reload would show.
@@ -162,20 +172,12 @@ fn the_watcher_never_applies_a_file_mid_write() {
 
 #[test]
 fn a_reload_that_drops_clients_or_the_admin_token_is_refused() {
-    let mock = Mock::start(&[]);
-    let gw = Gateway::start(&config(&mock.base_url(), "", true), ENV);
+    let (mock, gw) = on_mock("", true);
     gw.rewrite_config(&config(&mock.base_url(), "", false));
     let r = gw.admin_post("/api/config/reload", "");
     assert_ne!(r.status, 200);
     assert!(r.text().contains("clients"), "{}", r.text());
-    let anon = request(
-        gw.client,
-        "POST",
-        "/v1/chat/completions",
-        &[("content-type", "application/json")],
-        br#"{"model":"m","messages":[]}"#,
-    );
-    assert_eq!(anon.status, 401, "the reload opened the listener");
+    assert_eq!(anonymous_chat(&gw), 401, "the reload opened the listener");
     let no_admin =
         config(&mock.base_url(), "", true).replace("admin:\n  token_env: SLUICE_ADMIN_TOKEN\n", "");
     gw.rewrite_config(&no_admin);
@@ -282,11 +284,7 @@ fn count_tokens_is_proxied_and_its_4xx_is_final() {
 
 #[test]
 fn two_pipelined_requests_are_both_answered_in_order() {
-    let mock = Mock::start(&[]);
-    let gw = Gateway::start(
-        &config(&mock.base_url(), "", false),
-        &[("UP_KEY", UPSTREAM_KEY)],
-    );
+    let (_mock, gw) = on_mock("", false);
     let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
     // A chat completion, then a model list, in one write: the list must come second.
     let both = format!(
@@ -303,11 +301,7 @@ fn two_pipelined_requests_are_both_answered_in_order() {
 
 #[test]
 fn a_slow_header_is_cut_at_client_header_timeout() {
-    let mock = Mock::start(&[]);
-    let gw = Gateway::start(
-        &config(&mock.base_url(), "  client_header_timeout: \"2s\"\n", false),
-        &[("UP_KEY", UPSTREAM_KEY)],
-    );
+    let (_mock, gw) = on_mock("  client_header_timeout: \"2s\"\n", false);
     let mut s = TcpStream::connect(gw.client).unwrap();
     let start = Instant::now();
     let header =
@@ -337,11 +331,7 @@ fn a_slow_header_is_cut_at_client_header_timeout() {
 
 #[test]
 fn an_idle_keep_alive_connection_closes_at_keepalive_timeout() {
-    let mock = Mock::start(&[]);
-    let gw = Gateway::start(
-        &config(&mock.base_url(), "  keepalive_timeout: \"1s\"\n", false),
-        &[("UP_KEY", UPSTREAM_KEY)],
-    );
+    let (_mock, gw) = on_mock("  keepalive_timeout: \"1s\"\n", false);
     let mut s = TcpStream::connect(gw.client).unwrap();
     let body = br#"{"model":"m","messages":[]}"#;
     write!(
@@ -364,11 +354,7 @@ fn an_idle_keep_alive_connection_closes_at_keepalive_timeout() {
 
 #[test]
 fn http_layer_errors_carry_the_family_json_body() {
-    let mock = Mock::start(&[]);
-    let gw = Gateway::start(
-        &config(&mock.base_url(), "", false),
-        &[("UP_KEY", UPSTREAM_KEY)],
-    );
+    let (_mock, gw) = on_mock("", false);
     // wrong method on a route: 405 + Allow, family shape by route
     let r = raw_exchange(
         gw.client,
@@ -413,11 +399,7 @@ fn http_layer_errors_carry_the_family_json_body() {
 
 #[test]
 fn an_http_1_0_client_gets_an_unchunked_stream() {
-    let mock = Mock::start(&[]);
-    let gw = Gateway::start(
-        &config(&mock.base_url(), "", false),
-        &[("UP_KEY", UPSTREAM_KEY)],
-    );
+    let (_mock, gw) = on_mock("", false);
     let body = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
     let req = format!(
         "POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{}",
@@ -518,11 +500,7 @@ fn an_upstream_echoing_its_key_never_shows_it() {
 
 #[test]
 fn connections_beyond_the_cap_wait_until_one_closes() {
-    let mock = Mock::start(&[]);
-    let gw = Gateway::start(
-        &config(&mock.base_url(), "  max_client_connections: 2\n", false),
-        &[("UP_KEY", UPSTREAM_KEY)],
-    );
+    let (_mock, gw) = on_mock("  max_client_connections: 2\n", false);
     let a = TcpStream::connect(gw.client).unwrap();
     let b = TcpStream::connect(gw.client).unwrap();
     std::thread::sleep(Duration::from_millis(200));
@@ -542,11 +520,7 @@ fn connections_beyond_the_cap_wait_until_one_closes() {
 
 #[test]
 fn idle_kept_alive_connections_close_at_shutdown() {
-    let mock = Mock::start(&[]);
-    let gw = Gateway::start(
-        &config(&mock.base_url(), "", false),
-        &[("UP_KEY", UPSTREAM_KEY)],
-    );
+    let (_mock, gw) = on_mock("", false);
     let mut s = TcpStream::connect(gw.client).unwrap();
     s.write_all(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
         .unwrap();
@@ -564,11 +538,7 @@ fn idle_kept_alive_connections_close_at_shutdown() {
 
 #[test]
 fn connections_over_the_cap_queue_in_a_deep_backlog() {
-    let mock = Mock::start(&[]);
-    let gw = Gateway::start(
-        &config(&mock.base_url(), "  max_client_connections: 1\n", false),
-        &[("UP_KEY", UPSTREAM_KEY)],
-    );
+    let (_mock, gw) = on_mock("  max_client_connections: 1\n", false);
     // One connection served, then 300 more: all must complete their handshake (the
     // kernel queues them) rather than have their SYNs dropped by a 128-deep backlog.
     let mut held = vec![TcpStream::connect(gw.client).unwrap()];

@@ -46,19 +46,19 @@ impl Gateway {
     /// `@DIR@` in the YAML is replaced by the gateway's private temp dir, where its
     /// state file and rules directory live (see `server_section`).
     pub fn start(yaml: &str, env: &[(&str, &str)]) -> Gateway {
-        let dir = TempDir::new("sluice-gw");
-        std::fs::create_dir_all(dir.0.join("rules")).expect("rules dir");
-        let yaml = yaml.replace("@DIR@", dir.0.to_str().expect("utf-8 path"));
-        std::fs::write(dir.0.join("sluice.yaml"), yaml).expect("write config");
-        let env = env
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        let (dir, env) = Self::prepare(yaml, env);
         Self::spawn(dir, env)
     }
 
     /// [`Gateway::start`] with the gateway's log (stderr) written to `log` in its dir.
     pub fn start_logged(yaml: &str, env: &[(&str, &str)]) -> Gateway {
+        let (dir, env) = Self::prepare(yaml, env);
+        let log = std::fs::File::create(dir.0.join("log")).expect("log file");
+        Self::spawn_to(dir, env, std::process::Stdio::from(log))
+    }
+
+    /// A temp dir with `rules/` and `yaml` (with `@DIR@` filled in) as its config.
+    fn prepare(yaml: &str, env: &[(&str, &str)]) -> (TempDir, Vec<(String, String)>) {
         let dir = TempDir::new("sluice-gw");
         std::fs::create_dir_all(dir.0.join("rules")).expect("rules dir");
         let yaml = yaml.replace("@DIR@", dir.0.to_str().expect("utf-8 path"));
@@ -67,8 +67,7 @@ impl Gateway {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        let log = std::fs::File::create(dir.0.join("log")).expect("log file");
-        Self::spawn_to(dir, env, std::process::Stdio::from(log))
+        (dir, env)
     }
 
     /// What a [`Gateway::start_logged`] gateway has logged so far.
