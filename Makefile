@@ -49,3 +49,15 @@ fmt:
 
 clean:
 	$(CARGO) clean
+
+## Standing reliability runs, never part of `make test` (docs/RELIABILITY.md).
+## chaos: ~4 min of random upstream faults and a kill -9 under load
+## (CHAOS_SECS, CHAOS_SEED, CHAOS_CLIENTS).
+## soak: 10 min of mildly faulty traffic, gateway RSS and fds sampled every 10 s
+## (SOAK_SECS, SOAK_CLIENTS, SOAK_SEED).
+.PHONY: chaos soak
+chaos:
+	$(CARGO) test --release --test chaos -- --ignored --nocapture
+
+soak:
+	$(CARGO) test --release --test soak -- --ignored --nocapture

@@ -2,8 +2,9 @@
 //!
 //! Life of an API request: header read → counted (route, credential) → `100 Continue`
 //! if asked → whole body read → remembered as "last request" → in flight (guard) → fault
-//! resolved (request header, else the process fault) → delays → error or success, whole
-//! or streamed. Control routes (`/__stats`, `/__fault`, `/__reset`) skip all counting and
+//! resolved (the request's `x-mock-fault` header when its conditions match, else the
+//! process fault; see [`fault::resolve`]) → delays → error or success, whole or
+//! streamed. Control routes (`/__stats`, `/__fault`, `/__reset`) skip all counting and
 //! faults so tests can always observe and steer the mock.
 //!
 //! Invariants: a connection is handed back for keep-alive only after a response was
@@ -11,6 +12,10 @@
 //! drops the connection instead. A stream that loses its client mid-way (write failure,
 //! or the client closing while the mock waits between chunks or stalls) counts once in
 //! `streams_aborted`; one that writes its terminator counts once in `streams_completed`.
+//! Every wait the mock does on a client's behalf (`latency`, `first_byte_delay`,
+//! `chunk_interval`, a stall) ends as soon as that client closes: a request abandoned
+//! before its header was written counts once in `requests_abandoned`, and nothing keeps
+//! sleeping for a caller that is gone.
 //! Because "the client closed" is detected by reading, a client that half-closes its
 //! sending side after the request is treated as gone; HTTP clients in practice do not.
 
@@ -24,12 +29,12 @@ use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderValue};
 use http::Method;
 use pingora::apps::{HttpPersistentSettings, HttpServerApp, ReusedHttpStream};
-use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::http::ResponseHeader;
 use pingora::protocols::http::ServerSession;
 use pingora::server::ShutdownWatch;
 use serde::Deserialize;
 
-use super::fault::{Fault, FaultSlot};
+use super::fault::{self, Fault, FaultSlot};
 use super::render::{self, Answer};
 use super::route::Route;
 use super::stats::Stats;
@@ -179,8 +184,10 @@ impl MockApp {
     }
 
     async fn serve_api(&self, session: &mut ServerSession, route: Route) -> End {
-        self.stats
-            .count_request(route, credential(session.req_header()));
+        self.stats.count_request(
+            route,
+            fault::request_credential(&session.req_header().headers),
+        );
         let body = match read_body(session, MAX_BODY).await {
             Ok(b) => b,
             Err(e) => return self.body_error(session, route.is_anthropic(), e).await,
@@ -189,24 +196,18 @@ impl MockApp {
             .record_last(body.clone(), session.req_header().headers.clone());
         let _inflight = self.stats.enter();
 
-        let fault = match session.get_header("x-mock-fault") {
-            Some(v) => {
-                let parsed = v
-                    .to_str()
-                    .map_err(|_| "x-mock-fault is not valid text".to_string())
-                    .and_then(Fault::parse);
-                match parsed {
-                    Ok(f) => Some(Arc::new(f)),
-                    Err(msg) => {
-                        return self
-                            .error(session, route.is_anthropic(), 400, &msg, None)
-                            .await
-                    }
-                }
-            }
-            None => {
-                let cred = credential(session.req_header()).map(str::to_string);
-                self.fault.take(cred.as_deref(), || body_model(&body))
+        let resolved = fault::resolve(
+            session.get_header("x-mock-fault"),
+            &self.fault,
+            fault::request_credential(&session.req_header().headers),
+            &body,
+        );
+        let fault = match resolved {
+            Ok(f) => f,
+            Err(msg) => {
+                return self
+                    .error(session, route.is_anthropic(), 400, &msg, None)
+                    .await
             }
         };
         let fault = fault.as_deref();
@@ -214,11 +215,18 @@ impl MockApp {
         if fault.and_then(|f| f.reset_after) == Some(0) {
             return End::Close;
         }
-        if let Some(d) = fault.and_then(|f| f.latency) {
-            tokio::time::sleep(d).await;
-        }
-        if let Some(d) = fault.and_then(|f| f.first_byte_delay) {
-            tokio::time::sleep(d).await;
+        // Both delays give up as soon as the client leaves: nobody is left to answer.
+        for d in [
+            fault.and_then(|f| f.latency),
+            fault.and_then(|f| f.first_byte_delay),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if !pause(session, d).await {
+                self.stats.request_abandoned();
+                return End::Close;
+            }
         }
         if let Some(f) = fault {
             if let Some(status) = f.status {
@@ -460,34 +468,6 @@ async fn pause(session: &mut ServerSession, d: Duration) -> bool {
     }
 }
 
-/// The caller's credential: a Bearer token, another Authorization value, or x-api-key.
-/// The `model` of a JSON request body, if it has one.
-fn body_model(body: &[u8]) -> Option<String> {
-    #[derive(Deserialize)]
-    struct M {
-        model: Option<String>,
-    }
-    serde_json::from_slice::<M>(body).ok()?.model
-}
-
-fn credential(req: &RequestHeader) -> Option<&str> {
-    if let Some(v) = req
-        .headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-    {
-        let v = v.trim();
-        return Some(match v.get(..7) {
-            Some(p) if p.eq_ignore_ascii_case("bearer ") => v[7..].trim(),
-            _ => v,
-        });
-    }
-    req.headers
-        .get("x-api-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim)
-}
-
 /// Reads the whole request body, answering `Expect: 100-continue` first. A body that
 /// arrives in one piece is returned without copying.
 async fn read_body(session: &mut ServerSession, limit: usize) -> Result<Bytes, BodyError> {
@@ -556,15 +536,276 @@ impl HttpServerApp for MockApp {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    //! The request path over real loopback sockets: the app is driven exactly as Pingora
+    //! drives it (one `process_new_http` per connection), the client is raw HTTP/1.1.
 
-    #[test]
-    fn credential_prefers_bearer_then_api_key() {
-        let mut r = RequestHeader::build("POST", b"/v1/messages", None).unwrap();
-        assert_eq!(credential(&r), None);
-        r.insert_header("x-api-key", "ak").unwrap();
-        assert_eq!(credential(&r), Some("ak"));
-        r.insert_header("authorization", "bearer  tok ").unwrap();
-        assert_eq!(credential(&r), Some("tok"));
+    use super::*;
+    use pingora::protocols::l4::stream::Stream;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    const IO_LIMIT: Duration = Duration::from_secs(10);
+
+    fn app() -> Arc<MockApp> {
+        Arc::new(
+            MockApp::new(MockSettings {
+                name: "unit".into(),
+                chunks: 3,
+                chunk_interval: Duration::from_millis(1),
+            })
+            .unwrap(),
+        )
+    }
+
+    /// Serves `app` on an OS-chosen port of 127.0.0.1, one exchange per connection.
+    async fn serve(app: Arc<MockApp>) -> std::net::SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (_keep, shutdown) = tokio::sync::watch::channel(false);
+            while let Ok((sock, _)) = listener.accept().await {
+                let app = app.clone();
+                let shutdown = shutdown.clone();
+                tokio::spawn(async move {
+                    let session = ServerSession::new_http1(Box::new(Stream::from(sock)));
+                    let _ = app.process_new_http(session, &shutdown).await;
+                });
+            }
+        });
+        addr
+    }
+
+    /// Writes one request (`Connection: close`) and returns the open socket.
+    async fn send(
+        addr: std::net::SocketAddr,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> TcpStream {
+        let mut sock = TcpStream::connect(addr).await.unwrap();
+        let mut head = format!(
+            "POST {path} HTTP/1.1\r\nHost: unit\r\nConnection: close\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        );
+        for (k, v) in headers {
+            head.push_str(&format!("{k}: {v}\r\n"));
+        }
+        head.push_str("\r\n");
+        sock.write_all(head.as_bytes()).await.unwrap();
+        sock.write_all(body.as_bytes()).await.unwrap();
+        sock
+    }
+
+    /// The status of a whole exchange (the mock closes after a `Connection: close`).
+    async fn status(
+        addr: std::net::SocketAddr,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> u16 {
+        let mut sock = send(addr, path, headers, body).await;
+        let mut out = Vec::new();
+        tokio::time::timeout(IO_LIMIT, sock.read_to_end(&mut out))
+            .await
+            .expect("the mock answered in time")
+            .unwrap();
+        let text = String::from_utf8_lossy(&out);
+        text.split(' ')
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or_else(|| panic!("no status line in {text:?}"))
+    }
+
+    /// Polls `cond` every 10 ms, at most `tries` times.
+    async fn eventually(tries: u32, mut cond: impl FnMut() -> bool) -> bool {
+        for _ in 0..tries {
+            if cond() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        cond()
+    }
+
+    fn stat(app: &MockApp, key: &str) -> u64 {
+        app.stats.to_json("unit", None)[key].as_u64().unwrap()
+    }
+
+    const CHAT: &str = "/v1/chat/completions";
+    const MESSAGES: &str = "/v1/messages";
+
+    #[tokio::test]
+    async fn header_fault_conditions_pick_the_request() {
+        let addr = serve(app()).await;
+        let by_key = [("x-mock-fault", "status=503;credential=key-1")];
+        let body = r#"{"model":"m"}"#;
+        let bearer = |k: &'static str| ("authorization", k);
+        assert_eq!(
+            status(addr, CHAT, &[by_key[0], bearer("Bearer key-1")], body).await,
+            503
+        );
+        assert_eq!(
+            status(addr, CHAT, &[by_key[0], bearer("Bearer key-2")], body).await,
+            200,
+            "a header fault for key-1 must not hit key-2"
+        );
+        assert_eq!(status(addr, CHAT, &by_key, body).await, 200);
+        assert_eq!(
+            status(addr, MESSAGES, &[by_key[0], ("x-api-key", "key-1")], body).await,
+            503
+        );
+        assert_eq!(
+            status(addr, MESSAGES, &[by_key[0], ("x-api-key", "key-2")], body).await,
+            200
+        );
+
+        let by_model = [("x-mock-fault", "status=429;model=alpha")];
+        assert_eq!(
+            status(addr, CHAT, &by_model, r#"{"model":"alpha","stream":false}"#).await,
+            429
+        );
+        assert_eq!(
+            status(
+                addr,
+                CHAT,
+                &by_model,
+                r#"{"messages":[{"model":"alpha"}],"model":"beta"}"#
+            )
+            .await,
+            200,
+            "only the top-level model counts"
+        );
+    }
+
+    #[tokio::test]
+    async fn unmatched_header_fault_falls_back_to_the_process_fault() {
+        let app = app();
+        app.set_fault(Fault::parse("status=500").unwrap());
+        let addr = serve(app.clone()).await;
+        let other = [
+            ("x-mock-fault", "status=429;credential=someone-else"),
+            ("authorization", "Bearer key-1"),
+        ];
+        assert_eq!(status(addr, CHAT, &other, r#"{"model":"m"}"#).await, 500);
+        // A matching header still overrides the process fault, even an empty one.
+        let own = [
+            ("x-mock-fault", "latency=1ms;credential=key-1"),
+            ("authorization", "Bearer key-1"),
+        ];
+        assert_eq!(status(addr, CHAT, &own, r#"{"model":"m"}"#).await, 200);
+    }
+
+    #[tokio::test]
+    async fn process_fault_conditions_see_both_families() {
+        let app = app();
+        app.set_fault(Fault::parse("status=500;credential=key-1").unwrap());
+        let addr = serve(app.clone()).await;
+        let body = r#"{"model":"m","max_tokens":1}"#;
+        // Anthropic family: x-api-key, whatever else sits in Authorization.
+        for auth in ["", "Basic cHJveHk6cGFzcw==", "Bearer"] {
+            assert_eq!(
+                status(
+                    addr,
+                    MESSAGES,
+                    &[("authorization", auth), ("x-api-key", "key-1")],
+                    body
+                )
+                .await,
+                500,
+                "x-api-key key-1 beside Authorization {auth:?}"
+            );
+        }
+        assert_eq!(
+            status(addr, MESSAGES, &[("x-api-key", "key-2")], body).await,
+            200
+        );
+        // OpenAI family: the Bearer token, any case, any blank after the scheme.
+        for auth in ["Bearer key-1", "bearer\tkey-1", "BEARER   key-1 "] {
+            assert_eq!(
+                status(addr, CHAT, &[("authorization", auth)], body).await,
+                500,
+                "{auth:?}"
+            );
+        }
+        let counted = app.stats.to_json("unit", None)["by_credential"]["key-1"].clone();
+        assert_eq!(counted, 6);
+
+        app.set_fault(Fault::parse("status=404;model=up-alpha").unwrap());
+        for (body, want) in [
+            (r#"{"model":"up-alpha"}"#, 404),
+            (r#"{"model":"up\u002dalpha","stream":false}"#, 404),
+            (r#"{"model":"other","model":"up-alpha"}"#, 404),
+            (r#"{"model":"up-beta"}"#, 200),
+            (r#"{"model":"up-alpha-2"}"#, 200),
+        ] {
+            assert_eq!(status(addr, CHAT, &[], body).await, want, "{body}");
+        }
+    }
+
+    /// A delay fault whose client leaves 200 ms in is dropped at once, not slept out.
+    async fn delay_is_abandoned_when_the_client_leaves(spec: &'static str) {
+        let app = app();
+        let addr = serve(app.clone()).await;
+        let sock = send(addr, CHAT, &[("x-mock-fault", spec)], r#"{"model":"m"}"#).await;
+        assert!(eventually(500, || stat(&app, "inflight") == 1).await);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(stat(&app, "requests_abandoned"), 0);
+        drop(sock);
+        assert!(
+            eventually(100, || stat(&app, "requests_abandoned") == 1
+                && stat(&app, "inflight") == 0)
+            .await,
+            "{spec}: still waiting 1 s after the client left: {}",
+            app.stats.to_json("unit", None)
+        );
+        assert_eq!(stat(&app, "streams_aborted"), 0);
+    }
+
+    #[tokio::test]
+    async fn latency_gives_up_when_the_client_leaves() {
+        delay_is_abandoned_when_the_client_leaves("latency=30s").await;
+    }
+
+    #[tokio::test]
+    async fn first_byte_delay_gives_up_when_the_client_leaves() {
+        delay_is_abandoned_when_the_client_leaves("first_byte_delay=30s;status=500").await;
+    }
+
+    #[tokio::test]
+    async fn stall_and_chunk_interval_give_up_when_the_client_leaves() {
+        let app = app();
+        let addr = serve(app.clone()).await;
+        let body = r#"{"model":"m","stream":true}"#;
+        for (n, spec) in ["chunks=5;chunk_interval=30s", "stall_after=1"]
+            .into_iter()
+            .enumerate()
+        {
+            let mut sock = send(addr, CHAT, &[("x-mock-fault", spec)], body).await;
+            let mut first = [0u8; 64];
+            let got = tokio::time::timeout(IO_LIMIT, sock.read(&mut first))
+                .await
+                .unwrap()
+                .unwrap();
+            assert!(got > 0, "{spec}: the stream started");
+            drop(sock);
+            assert!(
+                eventually(100, || stat(&app, "streams_aborted") == n as u64 + 1
+                    && stat(&app, "inflight") == 0)
+                .await,
+                "{spec}: {}",
+                app.stats.to_json("unit", None)
+            );
+        }
+        assert_eq!(stat(&app, "requests_abandoned"), 0);
+    }
+
+    #[tokio::test]
+    async fn a_delay_the_client_waits_out_still_answers() {
+        let app = app();
+        let addr = serve(app.clone()).await;
+        let spec = [("x-mock-fault", "latency=50ms;first_byte_delay=50ms")];
+        assert_eq!(status(addr, CHAT, &spec, r#"{"model":"m"}"#).await, 200);
+        assert_eq!(stat(&app, "requests_abandoned"), 0);
     }
 }

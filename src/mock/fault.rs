@@ -7,15 +7,24 @@
 //! scalar key or malformed value is an error with a message naming the offending part,
 //! never a silently ignored fault.
 //!
+//! `credential=` and `model=` are conditions, not effects: a fault carrying them applies
+//! only to a request presenting that credential (the Bearer token or `x-api-key` value,
+//! see [`request_credential`]) and whose JSON body names that top-level `model` (see
+//! [`body_model`]). That holds for the per-request header as much as for the process
+//! slot: a header fault whose conditions do not match is ignored, and the request falls
+//! back to the process fault as if it had sent no header ([`resolve`]).
+//!
 //! The slot holds the process fault with its optional `times` budget. Taking a fault
 //! decrements the budget under one short lock so that exactly `times` requests see it,
 //! however many race for it; an atomic flag keeps the fault-free hot path lock-free.
 
+use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use http::header::{HeaderName, HeaderValue};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use serde::de::{Deserializer as _, IgnoredAny, MapAccess, Visitor};
 
 /// A parsed fault. `Default` is "no fault".
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -144,22 +153,19 @@ impl std::fmt::Display for Fault {
             parts.push(format!("status={s}"));
         }
         if let Some(b) = &self.body {
-            parts.push(format!(
-                "body={}",
-                b.replace('\\', "\\\\").replace(';', "\\;")
-            ));
+            parts.push(format!("body={}", escape(b)));
         }
         if let Some(r) = &self.retry_after {
             parts.push(format!(
                 "retry_after={}",
-                String::from_utf8_lossy(r.as_bytes())
+                escape(&String::from_utf8_lossy(r.as_bytes()))
             ));
         }
         for (n, v) in &self.headers {
             parts.push(format!(
                 "header={}:{}",
                 n,
-                String::from_utf8_lossy(v.as_bytes())
+                escape(&String::from_utf8_lossy(v.as_bytes()))
             ));
         }
         let durations = [
@@ -186,13 +192,18 @@ impl std::fmt::Display for Fault {
             parts.push(format!("times={t}"));
         }
         if let Some(c) = &self.credential {
-            parts.push(format!("credential={c}"));
+            parts.push(format!("credential={}", escape(c)));
         }
         if let Some(m) = &self.model {
-            parts.push(format!("model={m}"));
+            parts.push(format!("model={}", escape(m)));
         }
         f.write_str(&parts.join(";"))
     }
+}
+
+/// The inverse of [`split_unescaped`]'s escapes for one value.
+fn escape(value: &str) -> String {
+    value.replace('\\', "\\\\").replace(';', "\\;")
 }
 
 fn set_once<T>(slot: &mut Option<T>, key: &str, value: T) -> Result<(), String> {
@@ -237,6 +248,88 @@ fn split_unescaped(spec: &str) -> Vec<String> {
     }
     parts.push(cur);
     parts
+}
+
+/// The credential a request presents, as the fault condition `credential=` and the
+/// `by_credential` counters see it: the token of `Authorization: Bearer <token>` (OpenAI
+/// family), else `x-api-key` (Anthropic family), else any other non-empty
+/// `Authorization` value. Empty values present nothing, so an empty or non-Bearer
+/// `Authorization` header never hides the `x-api-key` beside it.
+pub fn request_credential(headers: &HeaderMap) -> Option<&str> {
+    fn text(v: &HeaderValue) -> Option<&str> {
+        v.to_str().ok().map(str::trim).filter(|t| !t.is_empty())
+    }
+    let auth = headers.get(header::AUTHORIZATION).and_then(text);
+    if let Some((scheme, token)) =
+        auth.and_then(|a| a.split_once(|c: char| c.is_ascii_whitespace()))
+    {
+        let token = token.trim();
+        if scheme.eq_ignore_ascii_case("bearer") && !token.is_empty() {
+            return Some(token);
+        }
+    }
+    headers.get("x-api-key").and_then(text).or(auth)
+}
+
+/// The top-level `model` of a JSON object body, as the condition `model=` sees it. Only
+/// that key is decoded (escapes resolved); every other value is skipped unparsed, a
+/// non-string `model` is no model, and of repeated keys the last wins, as in the common
+/// JSON parsers. `None` when the body is not a JSON object.
+pub fn body_model(body: &[u8]) -> Option<String> {
+    struct TopLevelModel;
+    impl<'de> Visitor<'de> for TopLevelModel {
+        type Value = Option<String>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut model = None;
+            while let Some(key) = map.next_key::<String>()? {
+                if key == "model" {
+                    model = match map.next_value::<serde_json::Value>()? {
+                        serde_json::Value::String(m) => Some(m),
+                        _ => None,
+                    };
+                } else {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+            Ok(model)
+        }
+    }
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let model = de.deserialize_map(TopLevelModel).ok()?;
+    de.end().ok()?;
+    model
+}
+
+/// The fault one API request gets. Its own `x-mock-fault` header wins when the header
+/// parses and its `credential=` / `model=` conditions hold for this request (a matching
+/// header overrides the process fault even when it changes nothing); a header whose
+/// conditions do not hold is ignored, and the process fault is consulted as for a
+/// request without the header. A header that does not parse is an error for the caller
+/// to answer (400), never a silently ignored fault.
+pub fn resolve(
+    header: Option<&HeaderValue>,
+    slot: &FaultSlot,
+    credential: Option<&str>,
+    body: &[u8],
+) -> Result<Option<Arc<Fault>>, String> {
+    if let Some(v) = header {
+        let text = v
+            .to_str()
+            .map_err(|_| "x-mock-fault is not valid text".to_string())?;
+        let fault = Fault::parse(text)?;
+        let model = if fault.model.is_some() {
+            body_model(body)
+        } else {
+            None
+        };
+        if fault.matches(credential, model.as_deref()) {
+            return Ok(Some(Arc::new(fault)));
+        }
+    }
+    Ok(slot.take(credential, || body_model(body)))
 }
 
 /// The process-wide fault, set by `--fault` or `POST /__fault`.
@@ -397,5 +490,151 @@ mod tests {
                 .to_string(),
             "status=500;credential=k;model=m"
         );
+    }
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
+        }
+        h
+    }
+
+    #[test]
+    fn credential_of_either_family() {
+        assert_eq!(request_credential(&headers(&[])), None);
+        // OpenAI family.
+        for auth in ["Bearer tok", "bearer tok", "BEARER\ttok", " Bearer   tok  "] {
+            assert_eq!(
+                request_credential(&headers(&[("authorization", auth)])),
+                Some("tok"),
+                "{auth:?}"
+            );
+        }
+        // Anthropic family, also beside an Authorization header that is empty, has no
+        // token or is of another scheme (a proxy's Basic credentials, say).
+        assert_eq!(
+            request_credential(&headers(&[("x-api-key", " ak ")])),
+            Some("ak")
+        );
+        for auth in ["", "   ", "Bearer", "Bearer  ", "Basic cHJveHk6cGFzcw=="] {
+            let h = headers(&[("authorization", auth), ("x-api-key", "ak")]);
+            assert_eq!(request_credential(&h), Some("ak"), "{auth:?}");
+        }
+        // A Bearer token is the credential even when an x-api-key is also sent.
+        let both = headers(&[("x-api-key", "ak"), ("authorization", "Bearer tok")]);
+        assert_eq!(request_credential(&both), Some("tok"));
+        // Another scheme alone is presented as is; empty values present nothing.
+        assert_eq!(
+            request_credential(&headers(&[("authorization", "Token abc")])),
+            Some("Token abc")
+        );
+        let empty = headers(&[("authorization", ""), ("x-api-key", "")]);
+        assert_eq!(request_credential(&empty), None);
+    }
+
+    #[test]
+    fn body_model_reads_only_the_top_level_string() {
+        let cases: &[(&str, Option<&str>)] = &[
+            (r#"{"model":"gpt-4o"}"#, Some("gpt-4o")),
+            (
+                r#" { "stream" : true , "model" : "a\/b\u0021" } "#,
+                Some("a/b!"),
+            ),
+            (
+                r#"{"messages":[{"model":"inner"}],"model":"outer"}"#,
+                Some("outer"),
+            ),
+            (r#"{"messages":[{"model":"inner"}]}"#, None),
+            (r#"{"model":"first","model":"last"}"#, Some("last")),
+            (r#"{"model":7}"#, None),
+            (r#"{"model":null}"#, None),
+            (r#"["model","x"]"#, None),
+            (r#"{"model":"x"} trailing"#, None),
+            ("", None),
+        ];
+        for (body, want) in cases {
+            assert_eq!(body_model(body.as_bytes()).as_deref(), *want, "{body}");
+        }
+    }
+
+    fn value(s: &str) -> HeaderValue {
+        HeaderValue::from_str(s).unwrap()
+    }
+
+    #[test]
+    fn header_fault_applies_only_when_its_conditions_hold() {
+        let slot = FaultSlot::default();
+        let body = br#"{"model":"alpha"}"#;
+        let h = value("status=503;credential=key-1;model=alpha");
+        let hit = resolve(Some(&h), &slot, Some("key-1"), body).unwrap();
+        assert_eq!(hit.unwrap().status, Some(503));
+        assert!(resolve(Some(&h), &slot, Some("key-2"), body)
+            .unwrap()
+            .is_none());
+        assert!(resolve(Some(&h), &slot, None, body).unwrap().is_none());
+        let beta = br#"{"model":"beta"}"#;
+        assert!(resolve(Some(&h), &slot, Some("key-1"), beta)
+            .unwrap()
+            .is_none());
+        // No conditions: every request.
+        let plain = value("status=500");
+        assert!(resolve(Some(&plain), &slot, None, b"").unwrap().is_some());
+        assert!(resolve(Some(&value("status=abc")), &slot, None, b"").is_err());
+    }
+
+    #[test]
+    fn unmatched_header_falls_back_to_the_slot_and_a_matching_one_overrides_it() {
+        let slot = FaultSlot::default();
+        slot.set(Fault::parse("status=500;times=1").unwrap());
+        let own = value("latency=1ms;credential=key-1");
+        // A matching header wins and does not spend the slot's budget...
+        let f = resolve(Some(&own), &slot, Some("key-1"), b"{}")
+            .unwrap()
+            .unwrap();
+        assert_eq!(f.status, None);
+        assert_eq!(slot.describe().as_deref(), Some("status=500;times=1"));
+        // ...an unmatched one is as if the request had sent none.
+        let f = resolve(Some(&own), &slot, Some("key-2"), b"{}")
+            .unwrap()
+            .unwrap();
+        assert_eq!(f.status, Some(500));
+        assert!(slot.describe().is_none());
+        assert!(resolve(Some(&own), &slot, Some("key-2"), b"{}")
+            .unwrap()
+            .is_none());
+    }
+
+    #[test]
+    fn slot_model_condition_reads_the_body_only_when_needed() {
+        let slot = FaultSlot::default();
+        slot.set(Fault::parse("status=404;model=up-alpha").unwrap());
+        let dup = br#"{"model":"x","model":"up-alpha"}"#;
+        assert!(resolve(None, &slot, None, dup).unwrap().is_some());
+        assert!(resolve(None, &slot, None, br#"{"model":"up-beta"}"#)
+            .unwrap()
+            .is_none());
+        slot.set(Fault::parse("status=404").unwrap());
+        let read = std::cell::Cell::new(false);
+        let taken = slot.take(None, || {
+            read.set(true);
+            None
+        });
+        assert!(taken.is_some());
+        assert!(
+            !read.get(),
+            "a fault without model= must not parse the body"
+        );
+    }
+
+    #[test]
+    fn conditions_with_semicolons_round_trip() {
+        let f = Fault::parse(r"status=401;credential=a\;b\\c;model=m\;1;header=x-a:1\;2").unwrap();
+        assert_eq!(f.credential.as_deref(), Some(r"a;b\c"));
+        assert_eq!(f.model.as_deref(), Some("m;1"));
+        assert_eq!(Fault::parse(&f.to_string()).unwrap(), f);
     }
 }

@@ -28,6 +28,7 @@ pub struct Stats {
     chunks_sent: AtomicU64,
     streams_completed: AtomicU64,
     streams_aborted: AtomicU64,
+    requests_abandoned: AtomicU64,
     by_credential: Mutex<HashMap<String, u64>>,
     last: Mutex<LastRequest>,
 }
@@ -82,6 +83,14 @@ impl Stats {
         self.streams_aborted.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Counts a request whose client left while a delay fault (`latency`,
+    /// `first_byte_delay`) held its answer back: nothing was written, the mock stopped
+    /// waiting and dropped the connection. A stream that loses its client later counts
+    /// in `streams_aborted` instead.
+    pub fn request_abandoned(&self) {
+        self.requests_abandoned.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Zeroes every counter; `max_inflight` restarts from what is in flight right now.
     pub fn reset(&self) {
         for c in [
@@ -89,6 +98,7 @@ impl Stats {
             &self.chunks_sent,
             &self.streams_completed,
             &self.streams_aborted,
+            &self.requests_abandoned,
         ] {
             c.store(0, Ordering::Relaxed);
         }
@@ -149,6 +159,7 @@ impl Stats {
             "chunks_sent": self.chunks_sent.load(Ordering::Relaxed),
             "streams_completed": self.streams_completed.load(Ordering::Relaxed),
             "streams_aborted": self.streams_aborted.load(Ordering::Relaxed),
+            "requests_abandoned": self.requests_abandoned.load(Ordering::Relaxed),
             "fault": fault,
         })
     }
@@ -180,8 +191,12 @@ mod tests {
         let v = s.to_json("m", None);
         assert_eq!(v["inflight"], 0);
         assert_eq!(v["max_inflight"], 2);
+        s.request_abandoned();
+        assert_eq!(s.to_json("m", None)["requests_abandoned"], 1);
         s.reset();
-        assert_eq!(s.to_json("m", None)["max_inflight"], 0);
+        let v = s.to_json("m", None);
+        assert_eq!(v["max_inflight"], 0);
+        assert_eq!(v["requests_abandoned"], 0);
     }
 
     #[test]
