@@ -80,59 +80,8 @@ const TARGETABLE: &[&str] = &[
 ];
 
 fn config(a: SocketAddr, b: SocketAddr) -> String {
-    format!(
-        r#"server:
-  listen: "127.0.0.1:0"
-  admin_listen: "127.0.0.1:0"
-  threads: 2
-  max_attempts: 3
-admin:
-  token_env: SLUICE_ADMIN_TOKEN
-state:
-  path: "@DIR@/state.redb"
-rules_dir: "@DIR@/rules"
-providers:
-  - id: pa
-    base_url: "http://{a}"
-    api: openai
-    class: local
-    connections:
-      - {{ id: a1, api_key_env: KEY_A1 }}
-      - {{ id: a2, api_key_env: KEY_A2 }}
-      - {{ id: acool, api_key_env: KEY_ACOOL }}
-      - {{ id: aterm, api_key_env: KEY_ATERM }}
-  - id: pb
-    base_url: "http://{b}"
-    api: openai
-    class: local
-    connections:
-      - {{ id: b1, api_key_env: KEY_B1 }}
-      - {{ id: b2, api_key_env: KEY_B2 }}
-  - id: qa
-    base_url: "http://{a}"
-    api: anthropic
-    class: local
-    connections:
-      - {{ id: q1, api_key_env: KEY_QA }}
-  - id: qb
-    base_url: "http://{b}"
-    api: anthropic
-    class: local
-    connections:
-      - {{ id: q1, api_key_env: KEY_QB }}
-models:
-  - name: chat
-    strategy: round-robin
-    targets:
-      - {{ provider: pa, model: up-a }}
-      - {{ provider: pb, model: up-b }}
-  - name: claude
-    strategy: round-robin
-    targets:
-      - {{ provider: qa, model: up-qa }}
-      - {{ provider: qb, model: up-qb }}
-resilience:
-  breaker: {{ local: {{ degrade_at: 5, open_at: 10, reset: "2s" }} }}
+    let resilience = format!(
+        r#"  breaker: {{ local: {{ degrade_at: 5, open_at: 10, reset: "2s" }} }}
   connection_cooldown: {{ max_cooldown: "20s" }}
   queue: {{ execution_timeout: "{exec}s" }}
   combo_wait: {{ enabled: true, max_wait: "2s", max_attempts: 1, budget: "3s" }}
@@ -141,7 +90,9 @@ resilience:
         exec = EXECUTION.as_secs(),
         ttft = TTFT.as_millis(),
         stall = STALL.as_millis(),
-    )
+    );
+    let extra = "      - { id: acool, api_key_env: KEY_ACOOL }\n      - { id: aterm, api_key_env: KEY_ATERM }\n";
+    reliability::topology(a, b, extra, &resilience)
 }
 
 /// What the run shares between the client threads, the chaos thread and the main thread.

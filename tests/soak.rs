@@ -63,61 +63,11 @@ const KEYS: &[(&str, &str)] = &[
 ];
 
 fn config(a: SocketAddr, b: SocketAddr) -> String {
-    format!(
-        r#"server:
-  listen: "127.0.0.1:0"
-  admin_listen: "127.0.0.1:0"
-  threads: 2
-  max_attempts: 3
-admin:
-  token_env: SLUICE_ADMIN_TOKEN
-state:
-  path: "@DIR@/state.redb"
-rules_dir: "@DIR@/rules"
-providers:
-  - id: pa
-    base_url: "http://{a}"
-    api: openai
-    class: local
-    connections:
-      - {{ id: a1, api_key_env: KEY_A1 }}
-      - {{ id: a2, api_key_env: KEY_A2 }}
-  - id: pb
-    base_url: "http://{b}"
-    api: openai
-    class: local
-    connections:
-      - {{ id: b1, api_key_env: KEY_B1 }}
-      - {{ id: b2, api_key_env: KEY_B2 }}
-  - id: qa
-    base_url: "http://{a}"
-    api: anthropic
-    class: local
-    connections:
-      - {{ id: q1, api_key_env: KEY_QA }}
-  - id: qb
-    base_url: "http://{b}"
-    api: anthropic
-    class: local
-    connections:
-      - {{ id: q1, api_key_env: KEY_QB }}
-models:
-  - name: chat
-    strategy: round-robin
-    targets:
-      - {{ provider: pa, model: up-a }}
-      - {{ provider: pb, model: up-b }}
-  - name: claude
-    strategy: round-robin
-    targets:
-      - {{ provider: qa, model: up-qa }}
-      - {{ provider: qb, model: up-qb }}
-resilience:
-  connection_cooldown: {{ max_cooldown: "5s" }}
-  queue: {{ execution_timeout: "30s" }}
-  stream: {{ ttft_timeout: "5s", stall_timeout: "5s" }}
-"#
-    )
+    let resilience = r#"  connection_cooldown: { max_cooldown: "5s" }
+  queue: { execution_timeout: "30s" }
+  stream: { ttft_timeout: "5s", stall_timeout: "5s" }
+"#;
+    reliability::topology(a, b, "", resilience)
 }
 
 fn mild_fault(rng: &mut StdRng) -> String {

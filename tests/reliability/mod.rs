@@ -87,6 +87,70 @@ impl Shape {
 }
 
 /// Percentile `p` (0–100) of an ascending-sorted slice; 0 when empty.
+/// The two-mock topology both runs use: OpenAI providers `pa` (keys `a1`, `a2`, plus
+/// `extra_pa` connection lines) on mock `a` and `pb` (`b1`, `b2`) on `b`, Anthropic
+/// providers `qa` on `a` and `qb` on `b`; models `chat` (pa, pb) and `claude` (qa, qb),
+/// round-robin; `resilience` is the body of the `resilience:` section.
+pub fn topology(
+    a: std::net::SocketAddr,
+    b: std::net::SocketAddr,
+    extra_pa: &str,
+    resilience: &str,
+) -> String {
+    format!(
+        r#"server:
+  listen: "127.0.0.1:0"
+  admin_listen: "127.0.0.1:0"
+  threads: 2
+  max_attempts: 3
+admin:
+  token_env: SLUICE_ADMIN_TOKEN
+state:
+  path: "@DIR@/state.redb"
+rules_dir: "@DIR@/rules"
+providers:
+  - id: pa
+    base_url: "http://{a}"
+    api: openai
+    class: local
+    connections:
+      - {{ id: a1, api_key_env: KEY_A1 }}
+      - {{ id: a2, api_key_env: KEY_A2 }}
+{extra_pa}  - id: pb
+    base_url: "http://{b}"
+    api: openai
+    class: local
+    connections:
+      - {{ id: b1, api_key_env: KEY_B1 }}
+      - {{ id: b2, api_key_env: KEY_B2 }}
+  - id: qa
+    base_url: "http://{a}"
+    api: anthropic
+    class: local
+    connections:
+      - {{ id: q1, api_key_env: KEY_QA }}
+  - id: qb
+    base_url: "http://{b}"
+    api: anthropic
+    class: local
+    connections:
+      - {{ id: q1, api_key_env: KEY_QB }}
+models:
+  - name: chat
+    strategy: round-robin
+    targets:
+      - {{ provider: pa, model: up-a }}
+      - {{ provider: pb, model: up-b }}
+  - name: claude
+    strategy: round-robin
+    targets:
+      - {{ provider: qa, model: up-qa }}
+      - {{ provider: qb, model: up-qb }}
+resilience:
+{resilience}"#
+    )
+}
+
 pub fn percentile(sorted: &[u64], p: f64) -> u64 {
     if sorted.is_empty() {
         return 0;
