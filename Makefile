@@ -37,9 +37,11 @@ check:
 	SLUICE_KEY_TEAM_A=example OPENAI_KEY_1=example OPENAI_KEY_2=example ANTHROPIC_KEY=example \
 		$(CARGO) run --quiet --bin sluice -- check --config conf/sluice.yaml
 
-## Side-by-side benchmark: direct mock vs Sluice (vs nginx when installed), 1,000
+## Side-by-side benchmark: direct mock vs the bare Pingora floor vs Sluice (vs nginx when
+## installed), CPU µs per request for each gateway; then 1,000
 ## concurrent SSE streams, then the selection micro-benchmark.
 bench: build
+	$(CARGO) build --release --example floor
 	./bench/run.sh
 	./bench/streams.sh
 	$(CARGO) bench --bench selection
