@@ -10,7 +10,7 @@
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
 use std::sync::Arc;
 use std::time::Duration;
 use tracing_subscriber::fmt::MakeWriter;
@@ -91,40 +91,63 @@ impl<'a> MakeWriter<'a> for Background {
     }
 }
 
+/// How long the writer sleeps between batches while lines keep coming.
+const TICK: Duration = Duration::from_millis(20);
+
+/// The writer: idle, it blocks for the first line (one wake-up); busy, it sleeps a
+/// [`TICK`] between batches and drains whatever queued meanwhile, so request threads
+/// that send a line never have to wake it. It goes back to blocking after a tick with
+/// nothing to write.
 fn drain(rx: Receiver<Msg>, dropped: Arc<AtomicU64>) {
     let mut out = std::io::BufWriter::with_capacity(64 * 1024, std::io::stderr());
     let mut acks = Vec::new();
     loop {
-        match rx.recv_timeout(Duration::from_millis(200)) {
-            Ok(first) => {
-                let lost = dropped.swap(0, Ordering::Relaxed);
-                if lost > 0 {
-                    let _ = writeln!(
-                        out,
-                        "sluice: {lost} log line(s) dropped (log writer behind)"
-                    );
-                }
-                // Write whatever else is already queued before flushing once.
-                let mut next = Some(first);
-                while let Some(msg) = next {
-                    match msg {
-                        Msg::Line(line) => {
-                            let _ = out.write_all(&line);
+        let Ok(first) = rx.recv() else {
+            let _ = out.flush();
+            return;
+        };
+        let mut next = Some(first);
+        loop {
+            let lost = dropped.swap(0, Ordering::Relaxed);
+            if lost > 0 {
+                let _ = writeln!(
+                    out,
+                    "sluice: {lost} log line(s) dropped (log writer behind)"
+                );
+            }
+            let mut wrote = false;
+            let mut closed = false;
+            loop {
+                let msg = match next.take() {
+                    Some(m) => m,
+                    None => match rx.try_recv() {
+                        Ok(m) => m,
+                        Err(TryRecvError::Empty) => break,
+                        Err(TryRecvError::Disconnected) => {
+                            closed = true;
+                            break;
                         }
-                        Msg::Flush(ack) => acks.push(ack),
+                    },
+                };
+                wrote = true;
+                match msg {
+                    Msg::Line(line) => {
+                        let _ = out.write_all(&line);
                     }
-                    next = rx.try_recv().ok();
-                }
-                let _ = out.flush();
-                for ack in acks.drain(..) {
-                    let _ = ack.send(());
+                    Msg::Flush(ack) => acks.push(ack),
                 }
             }
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => {
-                let _ = out.flush();
+            let _ = out.flush();
+            for ack in acks.drain(..) {
+                let _ = ack.send(());
+            }
+            if closed {
                 return;
             }
+            if !wrote {
+                break;
+            }
+            std::thread::sleep(TICK);
         }
     }
 }
