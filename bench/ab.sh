@@ -18,9 +18,7 @@ BENCH_BIN=$B . bench/lib.sh
 start_mock --chunks 8 --chunk-interval 0ms
 BIN=$A start_sluice a; SA=$SLUICE; PA=$SLUICE_PID
 BIN=$B start_sluice b; SB=$SLUICE; PB=$SLUICE_PID
-TICKS=$(getconf CLK_TCK)
 THREADS=$(( CONNS < 2 ? 1 : 2 ))
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 
 # one ADDR PID STREAM -> "rps cpu_us_per_request"
 one() {

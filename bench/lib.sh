@@ -28,12 +28,13 @@ start_mock() {
 }
 
 # start_sluice [NAME] -> one model `bench` on the mock; sets SLUICE (client address) and
-# SLUICE_PID. NAME (default `sluice`) keeps the files of several gateways apart.
+# SLUICE_PID. NAME (default `sluice`) keeps the files of several gateways apart;
+# SLUICE_SERVER_EXTRA (", key: value, …") is appended to the `server:` mapping.
 start_sluice() {
   local n=${1:-sluice}
   mkdir -p "$WORK/$n"
   cat >"$WORK/$n.yaml" <<YAML
-server: { listen: "127.0.0.1:0", admin_listen: "127.0.0.1:0", threads: 2 }
+server: { listen: "127.0.0.1:0", admin_listen: "127.0.0.1:0", threads: 2${SLUICE_SERVER_EXTRA:-} }
 admin: { token_env: SLUICE_ADMIN_TOKEN }
 state: { path: "$WORK/$n/state.redb" }
 rules_dir: "$WORK/$n/rules"
@@ -55,3 +56,7 @@ YAML
   PIDS+=("$SLUICE_PID")
   SLUICE=$(wait_listen "$WORK/$n.out" client)
 }
+
+TICKS=$(getconf CLK_TCK)
+# cpu_ticks PID... -> utime+stime of those processes, in clock ticks
+cpu_ticks() { local t=0 p; for p in "$@"; do t=$(( t + $(awk '{print $14 + $15}' "/proc/$p/stat") )); done; echo "$t"; }

@@ -60,9 +60,6 @@ fi
 # to_ms "123.45us" -> milliseconds
 to_ms() { awk -v v="$1" 'BEGIN{ n=v+0; if (v ~ /us$/) n/=1000; else if (v ~ /ms$/) n=n; else if (v ~ /s$/) n*=1000; printf "%.3f", n }'; }
 
-TICKS=$(getconf CLK_TCK)
-# cpu_ticks PID... -> utime+stime of those processes, in clock ticks
-cpu_ticks() { local t=0 p; for p in "$@"; do t=$(( t + $(awk '{print $14 + $15}' "/proc/$p/stat") )); done; echo "$t"; }
 
 # run_wrk ADDR STREAM CONNS [PID...] -> "rps p50ms p99ms cpu_us_per_request" (CPU of
 # the PIDs, "-" without any)

@@ -174,13 +174,7 @@ fn client_loop(id: u64, seed: u64, shared: Arc<Shared>) {
             shared.epoch.load(Ordering::SeqCst) != e0 || shared.down.load(Ordering::SeqCst);
         let v = verdict::judge(shape, &res, GARBAGE, crashed, reused, UPSTREAMS);
         let ttfb = res.as_ref().ok().map(|x| x.ttfb);
-        let served_by = res.as_ref().ok().and_then(|x| {
-            Some(format!(
-                "{}/{}",
-                x.header("x-sluice-provider")?,
-                x.header("x-sluice-connection")?
-            ))
-        });
+        let served_by = res.as_ref().ok().and_then(client::Exchange::served_by);
         if restarted && matches!(v, Verdict::Ok { .. }) {
             if let Some(s) = &served_by {
                 if s == "pa/acool" || s == "pa/aterm" {
@@ -199,29 +193,7 @@ fn client_loop(id: u64, seed: u64, shared: Arc<Shared>) {
                 faults_after[0],
                 faults_after[1],
             );
-            match &res {
-                Ok(x) => {
-                    let sluice: Vec<String> = x
-                        .headers
-                        .iter()
-                        .filter(|(k, _)| k.starts_with("x-sluice") || k == "content-type")
-                        .map(|(k, v)| format!("{k}: {v}"))
-                        .collect();
-                    let _ = write!(
-                        d,
-                        "    saw: {} {:?} end={:?} ttfb={:?} headers={sluice:?}\n    body ({} bytes): {}",
-                        x.status,
-                        x.framing,
-                        x.end,
-                        x.ttfb,
-                        x.body.len(),
-                        verdict::snippet(&x.body)
-                    );
-                }
-                Err(e) => {
-                    let _ = write!(d, "    saw no status line: {e:?}");
-                }
-            }
+            d.push_str(&client::describe(&res));
             d
         };
         if v.is_bad() {

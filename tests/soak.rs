@@ -111,34 +111,13 @@ fn client_loop(id: u64, seed: u64, stop: Arc<AtomicBool>, addr: SocketAddr) -> T
         let elapsed = started.elapsed();
         let v = verdict::judge(shape, &res, &[], false, reused, UPSTREAMS);
         let ttfb = res.as_ref().ok().map(|x| x.ttfb);
-        let served_by = res.as_ref().ok().and_then(|x| {
-            Some(format!(
-                "{}/{}",
-                x.header("x-sluice-provider")?,
-                x.header("x-sluice-connection")?
-            ))
-        });
+        let served_by = res.as_ref().ok().and_then(client::Exchange::served_by);
         let describe = || {
             let mut d = format!(
                 "{v:?}\n    request: {} fault={fault:?} after {elapsed:?}\n",
                 shape.label()
             );
-            match &res {
-                Ok(x) => {
-                    let _ = write!(
-                        d,
-                        "    saw: {} {:?} end={:?} body ({} bytes): {}",
-                        x.status,
-                        x.framing,
-                        x.end,
-                        x.body.len(),
-                        verdict::snippet(&x.body)
-                    );
-                }
-                Err(e) => {
-                    let _ = write!(d, "    saw no status line: {e:?}");
-                }
-            }
+            d.push_str(&client::describe(&res));
             d
         };
         if v.is_bad() {

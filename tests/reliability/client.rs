@@ -50,6 +50,40 @@ impl Exchange {
             .find(|(n, _)| n.eq_ignore_ascii_case(name))
             .map(|(_, v)| v.as_str())
     }
+
+    /// `provider/connection` from the gateway's `x-sluice-*` headers.
+    pub fn served_by(&self) -> Option<String> {
+        Some(format!(
+            "{}/{}",
+            self.header("x-sluice-provider")?,
+            self.header("x-sluice-connection")?
+        ))
+    }
+}
+
+/// What the client saw, for a report line: status, framing, end, the gateway's
+/// headers and the start of the body — or why no status line came.
+pub fn describe(res: &Result<Exchange, NoAnswer>) -> String {
+    match res {
+        Ok(x) => {
+            let sluice: Vec<String> = x
+                .headers
+                .iter()
+                .filter(|(k, _)| k.starts_with("x-sluice") || k == "content-type")
+                .map(|(k, v)| format!("{k}: {v}"))
+                .collect();
+            format!(
+                "    saw: {} {:?} end={:?} ttfb={:?} headers={sluice:?}\n    body ({} bytes): {}",
+                x.status,
+                x.framing,
+                x.end,
+                x.ttfb,
+                x.body.len(),
+                super::verdict::snippet(&x.body)
+            )
+        }
+        Err(e) => format!("    saw no status line: {e:?}"),
+    }
 }
 
 /// Why no status line arrived.
