@@ -1,7 +1,7 @@
 //! Selection micro-benchmark (SPEC §10): the cost of one select phase (evaluate every
 //! candidate, strategy pick, concurrency and breaker permits) as targets × connections
 //! grow. Run with `cargo bench --bench selection` (release build); prints ns per
-//! selection for 10, 100 and 1,000 connections and each of a few strategies.
+//! selection (median of 7 batches of at least 50 ms each) for 10, 100 and 1,000 connections and each of a few strategies.
 
 // A benchmark measures wall time and gives up on a broken setup.
 #![allow(clippy::expect_used, clippy::unwrap_used, clippy::disallowed_methods)]
@@ -83,10 +83,25 @@ fn main() {
                 }
             };
             run(200);
-            let n = 20_000 / (providers * per).max(1) * 10;
-            let t = Instant::now();
-            run(n);
-            let per_sel = t.elapsed().as_nanos() / n as u128;
+            // Batches of at least 50 ms; the median of 7 batches is reported.
+            let mut n = 64;
+            loop {
+                let t = Instant::now();
+                run(n);
+                if t.elapsed().as_millis() >= 50 {
+                    break;
+                }
+                n *= 2;
+            }
+            let mut batches: Vec<u128> = (0..7)
+                .map(|_| {
+                    let t = Instant::now();
+                    run(n);
+                    t.elapsed().as_nanos() / n as u128
+                })
+                .collect();
+            batches.sort_unstable();
+            let per_sel = batches[3];
             println!("{strategy:<16} {:>12} {per_sel:>14}", providers * per);
         }
     }

@@ -14,6 +14,7 @@ pub mod reload;
 pub mod select;
 pub mod sessions;
 pub mod settle;
+mod shortcut;
 pub mod state;
 #[cfg(test)]
 pub mod testing;
@@ -33,17 +34,17 @@ use crate::routing::{LatencyWindow, RateLimitInfo};
 use crate::rules::RuleSet;
 use crate::store::StoreWriter;
 use arc_swap::ArcSwap;
-use permits::{PermitGuard, Permits};
+use permits::{Limits, PermitGuard, Permits};
 use pingora::connectors::http::Connector;
 use pingora::connectors::ConnectorOptions;
 use select::{breaker_config, Exclusion};
 use select::{Asker, Candidate};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
-use state::{lock, Tables};
+use state::{lock, Shared, Tables};
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// The config as validated from the file, before the env and override layers, with the
 /// file text (to tell which settings the file sets). Kept so a runtime override can be
@@ -74,6 +75,15 @@ pub struct Snapshot {
     conn_keys: Vec<Vec<String>>,
     /// Names a lockout may be recorded under, per [model][target].
     lock_names: Vec<Vec<Vec<String>>>,
+    /// [provider][connection] of each `provider/connection` key.
+    conn_index: HashMap<String, (usize, usize)>,
+    /// Concurrency limits per [model][target][connection], resolved on first use.
+    limits: Vec<Vec<Vec<OnceLock<Limits>>>>,
+    /// State entry handles per [provider] and [provider][connection], taken on first use.
+    provider_entries: Vec<OnceLock<Shared<state::ProviderEntry>>>,
+    conn_entries: Vec<Vec<OnceLock<Shared<state::ConnEntry>>>>,
+    /// Every (target, connection) of each model in that order, built on first use.
+    slots: Vec<OnceLock<Vec<Slot>>>,
     /// Masks this generation's credential values in upstream text (SPEC §3).
     pub redactor: crate::policy::redact::Redactor,
 }
@@ -137,6 +147,39 @@ impl Snapshot {
                     .collect()
             })
             .collect();
+        let conn_index = config
+            .providers
+            .iter()
+            .enumerate()
+            .flat_map(|(pi, p)| {
+                p.connections
+                    .iter()
+                    .enumerate()
+                    .map(move |(ci, c)| (state::conn_key(&p.id, &c.id), (pi, ci)))
+            })
+            .collect();
+        let limits: Vec<Vec<Vec<OnceLock<Limits>>>> = config
+            .models
+            .iter()
+            .map(|m| {
+                m.targets
+                    .iter()
+                    .map(|t| {
+                        (0..config.providers[t.provider].connections.len())
+                            .map(|_| OnceLock::new())
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        let provider_entries = (0..config.providers.len())
+            .map(|_| OnceLock::new())
+            .collect();
+        let conn_entries = config
+            .providers
+            .iter()
+            .map(|p| (0..p.connections.len()).map(|_| OnceLock::new()).collect())
+            .collect();
         let redactor = crate::policy::redact::Redactor::new(
             config
                 .providers
@@ -156,8 +199,82 @@ impl Snapshot {
             fingerprints,
             conn_keys,
             lock_names,
+            conn_index,
+            slots: (0..limits.len()).map(|_| OnceLock::new()).collect(),
+            provider_entries,
+            conn_entries,
+            limits,
             redactor,
         }
+    }
+
+    /// [provider][connection] of a `provider/connection` key in this snapshot.
+    pub fn conn_position(&self, key: &str) -> Option<(usize, usize)> {
+        self.conn_index.get(key).copied()
+    }
+
+    /// The state entry of provider `pi` (created if it is new): read without a map lookup.
+    pub fn provider_entry(&self, tables: &Tables, pi: usize) -> &Shared<state::ProviderEntry> {
+        self.provider_entries[pi].get_or_init(|| tables.provider(&self.config.providers[pi].id))
+    }
+
+    /// The state entry of a connection (created if it is new).
+    pub fn conn_entry(&self, tables: &Tables, pi: usize, ci: usize) -> &Shared<state::ConnEntry> {
+        self.conn_entries[pi][ci].get_or_init(|| {
+            let p = &self.config.providers[pi];
+            tables.connection(&p.id, &p.connections[ci].id)
+        })
+    }
+
+    /// Every (target, connection) of `model` (only the pinned connection of a pinned
+    /// target), in (target, connection) order, with its
+    /// limits: what the load-aware strategies scan without touching the tables.
+    pub fn slots(&self, permits: &Permits, model: usize) -> &[Slot] {
+        self.slots[model].get_or_init(|| {
+            let m = &self.config.models[model];
+            let mut out = Vec::new();
+            for (ti, t) in m.targets.iter().enumerate() {
+                let conns = self.config.providers[t.provider]
+                    .connections
+                    .iter()
+                    .enumerate();
+                // A target pinned to one connection offers only that one.
+                for (ci, c) in conns.filter(|(ci, _)| t.connection.is_none_or(|pin| pin == *ci)) {
+                    out.push(Slot {
+                        target: ti,
+                        connection: ci,
+                        cap: c.max_concurrent,
+                        limits: self.limits(permits, model, ti, ci).clone(),
+                    });
+                }
+            }
+            out
+        })
+    }
+
+    /// The concurrency limits of one (model, target, connection), resolved against
+    /// `permits` the first time they are asked for in this generation.
+    pub fn limits(
+        &self,
+        permits: &Permits,
+        model: usize,
+        target: usize,
+        connection: usize,
+    ) -> &Limits {
+        self.limits[model][target][connection].get_or_init(|| {
+            let t = &self.config.models[model].targets[target];
+            let conn = &self.config.providers[t.provider].connections[connection];
+            let key = self.conn_key(t.provider, connection);
+            let model_key = conn
+                .model_concurrency
+                .get(&t.model)
+                .map(|n| (format!("{key}/{}", t.model), *n));
+            permits.resolve(
+                key,
+                conn.max_concurrent,
+                model_key.as_ref().map(|(k, n)| (k.as_str(), *n)),
+            )
+        })
     }
 
     /// `provider/connection` of a connection in this snapshot.
@@ -226,6 +343,23 @@ pub enum Selection {
     },
     /// Nothing runnable; every candidate that was considered, with its reason.
     Empty(Vec<Exclusion>),
+}
+
+/// One (target, connection) of a model, as the load-aware strategies scan it.
+pub struct Slot {
+    pub target: usize,
+    pub connection: usize,
+    /// `max_concurrent` of the connection.
+    pub cap: Option<u32>,
+    pub limits: Limits,
+}
+
+/// Why a picked candidate could not be taken: another request won the race.
+enum Lost {
+    /// Its last concurrency permit.
+    Permit,
+    /// The breaker's probe (or the breaker opened).
+    Probe,
 }
 
 /// What the load-aware strategies know of one connection.
@@ -310,6 +444,14 @@ impl Engine {
         pin: Option<&str>,
     ) -> Selection {
         let now = self.now();
+        // The short way first: on a healthy model it checks only what the strategy looks
+        // at. Anything it cannot settle (nothing usable, a lost race for the permit or
+        // the probe) goes the full way, which also lists every exclusion.
+        if let Some(c) = shortcut::pick(self, snap, model, family, asker, pin, now) {
+            if let Ok(picked) = self.take(snap, model, c, now) {
+                return picked;
+            }
+        }
         // Races with other requests (a permit or the probe taken between evaluate and
         // now) re-run the evaluation, which then sees the new state: a full connection
         // becomes `concurrency_full` (queue), a taken probe `circuit_open`.
@@ -332,34 +474,43 @@ impl Engine {
                     excluded: eval.excluded,
                 };
             };
-            let Some(permit) = self.permits.try_acquire(&select::limits(snap, model, &c)) else {
-                let mut full = eval.full;
-                full.push(c);
-                last = Selection::Full {
-                    full,
-                    excluded: eval.excluded,
-                };
-                continue;
+            last = match self.take(snap, model, c, now) {
+                Ok(picked) => return picked,
+                Err(Lost::Permit) => {
+                    let mut full = eval.full;
+                    full.push(c);
+                    Selection::Full {
+                        full,
+                        excluded: eval.excluded,
+                    }
+                }
+                Err(Lost::Probe) => Selection::Empty(eval.excluded),
             };
-            match self.breaker_permit(snap, c.provider, now) {
-                Permit::Allow => {
-                    return Selection::Picked {
-                        pick: c.into(),
-                        probe: false,
-                        permit,
-                    }
-                }
-                Permit::Probe => {
-                    return Selection::Picked {
-                        pick: c.into(),
-                        probe: true,
-                        permit,
-                    }
-                }
-                Permit::Deny { .. } => last = Selection::Empty(eval.excluded),
-            }
         }
         last
+    }
+
+    /// Takes the concurrency permit, then the breaker's, for a picked candidate.
+    fn take(
+        &self,
+        snap: &Snapshot,
+        model: usize,
+        c: Candidate,
+        now: Millis,
+    ) -> Result<Selection, Lost> {
+        let permit = select::limits(self, snap, model, &c)
+            .try_acquire()
+            .ok_or(Lost::Permit)?;
+        let probe = match self.breaker_permit(snap, c.provider, now) {
+            Permit::Allow => false,
+            Permit::Probe => true,
+            Permit::Deny { .. } => return Err(Lost::Probe),
+        };
+        Ok(Selection::Picked {
+            pick: c.into(),
+            probe,
+            permit,
+        })
     }
 
     /// Is `c` still a candidate (runnable or merely at capacity) for this asker now?

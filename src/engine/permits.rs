@@ -6,6 +6,10 @@
 //! connection (`queue_depth`) so admission can reject at `queue.max_depth` before
 //! waiting at all. A reload that changes a cap starts a semaphore for the new cap;
 //! requests still on the old config finish on the old one.
+//!
+//! A config generation resolves each (model, target, connection) to its [`Limits`] once
+//! (`Snapshot::limits`): the semaphores and counters are then reached through `Arc`s,
+//! with no key formatting or map lookup on the request path.
 
 use super::state::lock;
 use std::collections::HashMap;
@@ -48,14 +52,83 @@ impl Drop for WaitGuard {
     }
 }
 
-/// The limits that apply to one (connection, model) attempt.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// The limits that apply to one (connection, model) attempt, resolved to the semaphores
+/// and counters they use.
+#[derive(Clone)]
 pub struct Limits {
     /// `provider/connection`.
     pub conn_key: String,
-    pub conn_limit: Option<u32>,
-    /// `provider/connection/model` and its cap, when `model_concurrency` names the model.
-    pub model: Option<(String, u32)>,
+    counters: Arc<Counters>,
+    /// The connection's semaphore, when `max_concurrent` is set.
+    conn: Option<Arc<Semaphore>>,
+    /// The connection + model semaphore, when `model_concurrency` names the model.
+    model: Option<Arc<Semaphore>>,
+}
+
+impl Limits {
+    /// Attempts in flight on the connection.
+    pub fn inflight(&self) -> u32 {
+        self.counters.inflight.load(Ordering::Acquire)
+    }
+
+    /// Requests waiting for a permit on the connection.
+    pub fn waiting(&self) -> u32 {
+        self.counters.waiting.load(Ordering::Acquire)
+    }
+
+    /// True when a permit could be taken right now (nothing is reserved).
+    pub fn has_free(&self) -> bool {
+        let free =
+            |s: &Option<Arc<Semaphore>>| s.as_ref().is_none_or(|s| s.available_permits() > 0);
+        free(&self.conn) && free(&self.model)
+    }
+
+    /// Takes the permits now, or `None` when a cap is full.
+    pub fn try_acquire(&self) -> Option<PermitGuard> {
+        let mut held = Vec::with_capacity(2);
+        if let Some(s) = &self.conn {
+            held.push(s.clone().try_acquire_owned().ok()?);
+        }
+        if let Some(s) = &self.model {
+            held.push(s.clone().try_acquire_owned().ok()?);
+        }
+        Some(self.guard(held))
+    }
+
+    /// Waits (FIFO per semaphore) for the permits; cancel-safe: dropping the future
+    /// leaves the queue without taking anything. The narrower model permit is taken
+    /// first: a request waiting for its model's cap must not sit on a connection permit
+    /// meanwhile, or it would starve every other model of that connection.
+    pub async fn acquire(&self) -> Option<PermitGuard> {
+        let mut held = Vec::with_capacity(2);
+        if let Some(s) = &self.model {
+            held.push(s.clone().acquire_owned().await.ok()?);
+        }
+        if let Some(s) = &self.conn {
+            held.push(s.clone().acquire_owned().await.ok()?);
+        }
+        Some(self.guard(held))
+    }
+
+    /// An attempt that runs without a permit (no cap, or fail-open after a wait) still
+    /// counts as in flight.
+    pub fn unlimited(&self) -> PermitGuard {
+        self.guard(Vec::new())
+    }
+
+    fn guard(&self, held: Vec<OwnedSemaphorePermit>) -> PermitGuard {
+        self.counters.inflight.fetch_add(1, Ordering::AcqRel);
+        PermitGuard {
+            _permits: held,
+            counters: self.counters.clone(),
+        }
+    }
+
+    /// Marks one request as waiting on the connection until the guard drops.
+    pub fn wait_on(&self) -> WaitGuard {
+        self.counters.waiting.fetch_add(1, Ordering::AcqRel);
+        WaitGuard(self.counters.clone())
+    }
 }
 
 impl Permits {
@@ -90,60 +163,20 @@ impl Permits {
             .map_or(0, |c| c.waiting.load(Ordering::Acquire))
     }
 
-    /// True when a permit could be taken right now (nothing is reserved).
-    pub fn has_free(&self, l: &Limits) -> bool {
-        let free = |key: &str, limit: u32| self.semaphore(key, limit).available_permits() > 0;
-        l.conn_limit.is_none_or(|n| free(&l.conn_key, n))
-            && l.model.as_ref().is_none_or(|(k, n)| free(k, *n))
-    }
-
-    /// Takes the permits now, or `None` when a cap is full.
-    pub fn try_acquire(&self, l: &Limits) -> Option<PermitGuard> {
-        let mut held = Vec::with_capacity(2);
-        if let Some(n) = l.conn_limit {
-            held.push(self.semaphore(&l.conn_key, n).try_acquire_owned().ok()?);
+    /// Resolves the limits of one (connection, model): `conn_limit` is the connection's
+    /// `max_concurrent`, `model` its `model_concurrency` entry for the model, if any.
+    pub fn resolve(
+        &self,
+        conn_key: &str,
+        conn_limit: Option<u32>,
+        model: Option<(&str, u32)>,
+    ) -> Limits {
+        Limits {
+            conn_key: conn_key.to_string(),
+            counters: self.counters(conn_key),
+            conn: conn_limit.map(|n| self.semaphore(conn_key, n)),
+            model: model.map(|(k, n)| self.semaphore(k, n)),
         }
-        if let Some((k, n)) = &l.model {
-            held.push(self.semaphore(k, *n).try_acquire_owned().ok()?);
-        }
-        Some(self.guard(l, held))
-    }
-
-    /// Waits (FIFO per semaphore) for the permits of `l`; cancel-safe: dropping the
-    /// future leaves the queue without taking anything. The narrower model permit is
-    /// taken first: a request waiting for its model's cap must not sit on a connection
-    /// permit meanwhile, or it would starve every other model of that connection.
-    pub async fn acquire(&self, l: &Limits) -> Option<PermitGuard> {
-        let mut held = Vec::with_capacity(2);
-        if let Some((k, n)) = &l.model {
-            held.push(self.semaphore(k, *n).acquire_owned().await.ok()?);
-        }
-        if let Some(n) = l.conn_limit {
-            held.push(self.semaphore(&l.conn_key, n).acquire_owned().await.ok()?);
-        }
-        Some(self.guard(l, held))
-    }
-
-    /// An attempt that runs without a permit (no cap, or fail-open after a wait) still
-    /// counts as in flight.
-    pub fn unlimited(&self, l: &Limits) -> PermitGuard {
-        self.guard(l, Vec::new())
-    }
-
-    fn guard(&self, l: &Limits, held: Vec<OwnedSemaphorePermit>) -> PermitGuard {
-        let counters = self.counters(&l.conn_key);
-        counters.inflight.fetch_add(1, Ordering::AcqRel);
-        PermitGuard {
-            _permits: held,
-            counters,
-        }
-    }
-
-    /// Marks one request as waiting on `conn_key` until the guard drops.
-    pub fn wait_on(&self, conn_key: &str) -> WaitGuard {
-        let c = self.counters(conn_key);
-        c.waiting.fetch_add(1, Ordering::AcqRel);
-        WaitGuard(c)
     }
 }
 
@@ -151,42 +184,35 @@ impl Permits {
 mod tests {
     use super::*;
 
-    fn limits(conn: Option<u32>, model: Option<u32>) -> Limits {
-        Limits {
-            conn_key: "p/c".into(),
-            conn_limit: conn,
-            model: model.map(|n| ("p/c/m".to_string(), n)),
-        }
+    fn limits(p: &Permits, conn: Option<u32>, model: Option<u32>) -> Limits {
+        p.resolve("p/c", conn, model.map(|n| ("p/c/m", n)))
     }
 
     #[test]
     fn permits_are_released_exactly_once_on_drop() {
         let p = Permits::default();
-        let l = limits(Some(2), None);
-        let a = p.try_acquire(&l).unwrap();
-        let b = p.try_acquire(&l).unwrap();
-        assert!(p.try_acquire(&l).is_none());
+        let l = limits(&p, Some(2), None);
+        let a = l.try_acquire().unwrap();
+        let b = l.try_acquire().unwrap();
+        assert!(l.try_acquire().is_none());
         assert_eq!(p.inflight("p/c"), 2);
         drop(a);
         assert_eq!(p.inflight("p/c"), 1);
-        let c = p.try_acquire(&l).unwrap();
+        let c = l.try_acquire().unwrap();
         drop((b, c));
         assert_eq!(p.inflight("p/c"), 0);
-        assert!(p.has_free(&l));
+        assert!(l.has_free());
     }
 
     #[test]
     fn model_cap_applies_inside_the_connection_cap() {
         let p = Permits::default();
-        let l = limits(Some(4), Some(1));
-        let _a = p.try_acquire(&l).unwrap();
-        assert!(p.try_acquire(&l).is_none(), "model cap 1");
-        let other = Limits {
-            model: None,
-            ..l.clone()
-        };
+        let l = limits(&p, Some(4), Some(1));
+        let _a = l.try_acquire().unwrap();
+        assert!(l.try_acquire().is_none(), "model cap 1");
+        let other = limits(&p, Some(4), None);
         assert!(
-            p.try_acquire(&other).is_some(),
+            other.try_acquire().is_some(),
             "other models still fit the connection cap"
         );
     }
@@ -194,19 +220,16 @@ mod tests {
     #[tokio::test]
     async fn a_model_waiter_holds_no_connection_permit() {
         let p = Arc::new(Permits::default());
-        let l = limits(Some(2), Some(1));
-        let running = p.try_acquire(&l).unwrap();
-        let (pt, lw) = (p.clone(), l.clone());
-        let waiter = tokio::spawn(async move { pt.acquire(&lw).await.map(drop) });
+        let l = limits(&p, Some(2), Some(1));
+        let running = l.try_acquire().unwrap();
+        let lw = l.clone();
+        let waiter = tokio::spawn(async move { lw.acquire().await.map(drop) });
         for _ in 0..10 {
             tokio::task::yield_now().await;
         }
         // The connection's second slot is still free for another model.
-        let other = Limits {
-            model: None,
-            ..l.clone()
-        };
-        let o = p.try_acquire(&other);
+        let other = limits(&p, Some(2), None);
+        let o = other.try_acquire();
         assert!(
             o.is_some(),
             "the model waiter took the connection's last permit"
@@ -218,9 +241,9 @@ mod tests {
     #[test]
     fn unlimited_counts_inflight_without_permits() {
         let p = Permits::default();
-        let l = limits(None, None);
-        let g = p.try_acquire(&l).unwrap();
-        let u = p.unlimited(&l);
+        let l = limits(&p, None, None);
+        let g = l.try_acquire().unwrap();
+        let u = l.unlimited();
         assert_eq!(p.inflight("p/c"), 2);
         drop((g, u));
         assert_eq!(p.inflight("p/c"), 0);
@@ -229,15 +252,15 @@ mod tests {
     #[tokio::test]
     async fn waiters_are_served_in_order() {
         let p = Arc::new(Permits::default());
-        let l = limits(Some(1), None);
-        let first = p.try_acquire(&l).unwrap();
+        let l = limits(&p, Some(1), None);
+        let first = l.try_acquire().unwrap();
         let order = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
         for i in 0..3 {
-            let (pt, l, order) = (p.clone(), l.clone(), order.clone());
+            let (l, order) = (l.clone(), order.clone());
             tasks.push(tokio::spawn(async move {
-                let _w = pt.wait_on("p/c");
-                let g = pt.acquire(&l).await.unwrap();
+                let _w = l.wait_on();
+                let g = l.acquire().await.unwrap();
                 order.lock().unwrap().push(i);
                 drop(g);
             }));

@@ -20,6 +20,7 @@ use crate::config::{Client, Config, Family, Model};
 use crate::policy::breaker::{BreakerConfig, BreakerState, Permit};
 use crate::policy::cooldown::Eligibility;
 pub use crate::policy::exclusion::{Exclusion, ExclusionReason};
+use crate::policy::lease::LeaseTable;
 use crate::policy::{Millis, Reason};
 use crate::routing::View;
 
@@ -79,20 +80,169 @@ pub fn lock_names_of(c: &Config, m: &Model, target: usize) -> Vec<String> {
     names
 }
 
-/// The concurrency limits of one candidate.
-pub fn limits(snap: &Snapshot, model: usize, c: &Candidate) -> Limits {
+/// The concurrency limits of one candidate (resolved once per generation).
+pub fn limits<'s>(engine: &Engine, snap: &'s Snapshot, model: usize, c: &Candidate) -> &'s Limits {
+    snap.limits(&engine.permits, model, c.target, c.connection)
+}
+
+/// A target's provider-level facts, read once per target and evaluation.
+pub(super) struct Gate<'s> {
+    /// The breaker's answer without taking a permit.
+    permit: Permit,
+    pub(super) state: BreakerState,
+    /// The provider window gate's end, when the gate is on and cooling.
+    window_until: Option<Millis>,
+    names: &'s [String],
+}
+
+/// The gate of `model`'s target `ti`, or `None` when its provider does not speak `family`.
+pub(super) fn gate<'s>(
+    engine: &Engine,
+    snap: &'s Snapshot,
+    model: usize,
+    ti: usize,
+    family: Family,
+    now: Millis,
+) -> Option<Gate<'s>> {
     let cfg = &snap.config;
-    let p = &cfg.providers[c.provider];
-    let conn = &p.connections[c.connection];
-    let upstream = &cfg.models[model].targets[c.target].model;
-    let key = snap.conn_key(c.provider, c.connection);
-    Limits {
-        model: conn
-            .model_concurrency
-            .get(upstream)
-            .map(|n| (format!("{key}/{upstream}"), *n)),
-        conn_limit: conn.max_concurrent,
-        conn_key: key.to_string(),
+    let t = &cfg.models[model].targets[ti];
+    let p = &cfg.providers[t.provider];
+    if p.api != family {
+        return None;
+    }
+    let bcfg = breaker_config(snap, t.provider);
+    let (permit, state, window_until) = {
+        let e = lock(snap.provider_entry(&engine.tables, t.provider));
+        (
+            e.breaker.peek(&bcfg, now),
+            e.breaker.state(&bcfg, now),
+            e.window.cooling_until(now),
+        )
+    };
+    Some(Gate {
+        permit,
+        state,
+        window_until: window_until.filter(|_| cfg.resilience.provider_cooldown_enabled),
+        names: snap.lock_names(model, ti),
+    })
+}
+
+/// The verdict on one (target, connection) for one asker.
+pub(super) enum Check {
+    /// Not offered to this asker (pinned target, client scope, another lease).
+    Skip,
+    Runnable(Candidate),
+    /// Runnable but at its concurrency cap.
+    Full(Candidate),
+    Excluded {
+        reason: ExclusionReason,
+        until: Option<Millis>,
+        detail: Option<&'static str>,
+        cause: Option<Reason>,
+    },
+}
+
+/// What the select phase reads from the engine for every check of one evaluation.
+pub(super) struct Ctx<'a> {
+    pub(super) engine: &'a Engine,
+    pub(super) snap: &'a Snapshot,
+    pub(super) model: usize,
+    pub(super) asker: &'a Asker<'a>,
+    pub(super) leases: &'a LeaseTable,
+    pub(super) now: Millis,
+}
+
+impl Ctx<'_> {
+    /// Checks one candidate, from the most permanent fact to the most transient (see the
+    /// module note). `gate` is its target's.
+    pub(super) fn check(&self, ti: usize, ci: usize, gate: &Gate<'_>) -> Check {
+        let (snap, now) = (self.snap, self.now);
+        let cfg = &snap.config;
+        let t = &cfg.models[self.model].targets[ti];
+        let p = &cfg.providers[t.provider];
+        let c = &p.connections[ci];
+        if t.connection.is_some_and(|pin| pin != ci)
+            || !super::client_allows(self.asker.client, &p.id, &c.id)
+        {
+            return Check::Skip;
+        }
+        let key = snap.conn_key(t.provider, ci);
+        if self.asker.lease.is_some_and(|(_, leased)| leased != key) {
+            return Check::Skip;
+        }
+        let excluded = |reason, until, detail, cause| Check::Excluded {
+            reason,
+            until,
+            detail,
+            cause,
+        };
+        let tried = self.asker.tried;
+        // A provider-level failure in this request is not undone by waiting.
+        if tried.providers.contains(&t.provider) {
+            return excluded(ExclusionReason::AlreadyTried, None, None, None);
+        }
+        let tables = &self.engine.tables;
+        let conn_state = {
+            let e = lock(snap.conn_entry(tables, t.provider, ci));
+            Some((e.state.eligibility(now), e.state.last_error_reason))
+        };
+        if let Some((Eligibility::Terminal(s), cause)) = conn_state {
+            return excluded(ExclusionReason::Terminal, None, Some(s.as_str()), cause);
+        }
+        let cooling = match conn_state {
+            Some((Eligibility::Cooling { until }, cause)) => {
+                Some((ExclusionReason::ConnectionCooldown, until, cause))
+            }
+            _ => None,
+        };
+        let locked = if cfg.resilience.model_lockout.enabled {
+            tables
+                .active_lockout(&p.id, &c.id, gate.names, now)
+                .map(|(until, cause)| (ExclusionReason::ModelLockout, until, cause))
+        } else {
+            None
+        };
+        // Both timers hold the candidate: it comes back when the later one ends.
+        let timer = match (cooling, locked) {
+            (Some(a), Some(b)) => Some(if b.1 > a.1 { b } else { a }),
+            (a, b) => a.or(b),
+        };
+        // A failing provider is reported as such even when its connection is also
+        // cooling: a breaker or window gate is never a timer to wait out (§5.8). Its
+        // time is the later of the gate's and the connection's own timer.
+        let shut = match (gate.permit, gate.window_until) {
+            (Permit::Deny { retry_at }, _) => Some((ExclusionReason::CircuitOpen, retry_at)),
+            (_, Some(until)) => Some((ExclusionReason::ProviderCooldown, until)),
+            _ => None,
+        };
+        if let Some((reason, until)) = shut {
+            let until = timer.map_or(until, |t| until.max(t.1));
+            return excluded(reason, Some(until), None, Some(Reason::ServerError));
+        }
+        if let Some((reason, until, cause)) = timer {
+            return excluded(reason, Some(until), None, cause);
+        }
+        if tried.connections.contains(&(t.provider, ci)) || tried.targets.contains(&ti) {
+            return excluded(ExclusionReason::AlreadyTried, None, None, None);
+        }
+        let owner = self.asker.lease.map(|(h, _)| h);
+        if let Some(until) = self.leases.held_by_other(key, owner, now) {
+            return excluded(ExclusionReason::LeaseHeld, Some(until), None, None);
+        }
+        let cand = Candidate {
+            target: ti,
+            provider: t.provider,
+            connection: ci,
+            breaker: gate.state,
+        };
+        if snap
+            .limits(&self.engine.permits, self.model, ti, ci)
+            .has_free()
+        {
+            Check::Runnable(cand)
+        } else {
+            Check::Full(cand)
+        }
     }
 }
 
@@ -107,136 +257,51 @@ pub fn evaluate(
     asker: &Asker<'_>,
     now: Millis,
 ) -> Evaluation {
-    let tables = &engine.tables;
+    let leases = lock(&engine.leases);
+    let ctx = Ctx {
+        engine,
+        snap,
+        model,
+        asker,
+        leases: &leases,
+        now,
+    };
     let cfg = &snap.config;
     let m = &cfg.models[model];
-    let tried = asker.tried;
-    let leases = lock(&engine.leases);
     let mut out = Evaluation::default();
     for (ti, t) in m.targets.iter().enumerate() {
-        let p = &cfg.providers[t.provider];
-        if p.api != family {
+        let Some(gate) = gate(engine, snap, model, ti, family, now) else {
             continue;
-        }
-        let bcfg = breaker_config(snap, t.provider);
-        let (permit, bstate, window_until) = match tables.provider_if_any(&p.id) {
-            Some(e) => {
-                let e = lock(&e);
-                (
-                    e.breaker.peek(&bcfg, now),
-                    e.breaker.state(&bcfg, now),
-                    e.window.cooling_until(now),
-                )
-            }
-            None => (Permit::Allow, BreakerState::Closed, None),
         };
-        let window_until = window_until.filter(|_| cfg.resilience.provider_cooldown_enabled);
-        let names = snap.lock_names(model, ti);
-        for (ci, c) in p.connections.iter().enumerate() {
-            if t.connection.is_some_and(|pin| pin != ci)
-                || !super::client_allows(asker.client, &p.id, &c.id)
-            {
-                continue;
-            }
-            let key = snap.conn_key(t.provider, ci);
-            if asker.lease.is_some_and(|(_, leased)| leased != key) {
-                continue;
-            }
-            let excluded = |reason, until, detail, cause| Exclusion {
+        let p = &cfg.providers[t.provider];
+        for ci in 0..p.connections.len() {
+            let exclusion = |reason, until, detail, cause| Exclusion {
                 provider: p.id.clone(),
-                connection: c.id.clone(),
+                connection: p.connections[ci].id.clone(),
                 model: t.model.clone(),
                 reason,
                 until,
                 detail,
                 cause,
             };
-            // A provider-level failure in this request is not undone by waiting.
-            if tried.providers.contains(&t.provider) {
-                out.excluded
-                    .push(excluded(ExclusionReason::AlreadyTried, None, None, None));
-                continue;
-            }
-            let conn_state = tables.connection_by_key(key).map(|e| {
-                let e = lock(&e);
-                (e.state.eligibility(now), e.state.last_error_reason)
-            });
-            if let Some((Eligibility::Terminal(s), cause)) = conn_state {
-                out.excluded.push(excluded(
-                    ExclusionReason::Terminal,
-                    None,
-                    Some(s.as_str()),
-                    cause,
-                ));
-                continue;
-            }
-            let cooling = match conn_state {
-                Some((Eligibility::Cooling { until }, cause)) => {
-                    Some((ExclusionReason::ConnectionCooldown, until, cause))
+            match ctx.check(ti, ci, &gate) {
+                Check::Skip => {}
+                Check::Runnable(c) => out.runnable.push(c),
+                Check::Full(c) => {
+                    out.excluded.push(exclusion(
+                        ExclusionReason::ConcurrencyFull,
+                        None,
+                        None,
+                        None,
+                    ));
+                    out.full.push(c);
                 }
-                _ => None,
-            };
-            let locked = if cfg.resilience.model_lockout.enabled {
-                tables
-                    .active_lockout(&p.id, &c.id, names, now)
-                    .map(|(until, cause)| (ExclusionReason::ModelLockout, until, cause))
-            } else {
-                None
-            };
-            // Both timers hold the candidate: it comes back when the later one ends.
-            let timer = match (cooling, locked) {
-                (Some(a), Some(b)) => Some(if b.1 > a.1 { b } else { a }),
-                (a, b) => a.or(b),
-            };
-            // A failing provider is reported as such even when its connection is also
-            // cooling: a breaker or window gate is never a timer to wait out (§5.8). Its
-            // time is the later of the gate's and the connection's own timer.
-            let gate = match (permit, window_until) {
-                (Permit::Deny { retry_at }, _) => Some((ExclusionReason::CircuitOpen, retry_at)),
-                (_, Some(until)) => Some((ExclusionReason::ProviderCooldown, until)),
-                _ => None,
-            };
-            if let Some((reason, until)) = gate {
-                let until = timer.map_or(until, |t| until.max(t.1));
-                out.excluded.push(excluded(
+                Check::Excluded {
                     reason,
-                    Some(until),
-                    None,
-                    Some(Reason::ServerError),
-                ));
-                continue;
-            }
-            if let Some((reason, until, cause)) = timer {
-                out.excluded
-                    .push(excluded(reason, Some(until), None, cause));
-                continue;
-            }
-            if tried.connections.contains(&(t.provider, ci)) || tried.targets.contains(&ti) {
-                out.excluded
-                    .push(excluded(ExclusionReason::AlreadyTried, None, None, None));
-                continue;
-            }
-            if let Some(until) = leases.held_by_other(key, asker.lease.map(|(h, _)| h), now) {
-                out.excluded.push(excluded(
-                    ExclusionReason::LeaseHeld,
-                    Some(until),
-                    None,
-                    None,
-                ));
-                continue;
-            }
-            let cand = Candidate {
-                target: ti,
-                provider: t.provider,
-                connection: ci,
-                breaker: bstate,
-            };
-            if engine.permits.has_free(&limits(snap, model, &cand)) {
-                out.runnable.push(cand);
-            } else {
-                out.excluded
-                    .push(excluded(ExclusionReason::ConcurrencyFull, None, None, None));
-                out.full.push(cand);
+                    until,
+                    detail,
+                    cause,
+                } => out.excluded.push(exclusion(reason, until, detail, cause)),
             }
         }
     }
@@ -261,12 +326,13 @@ pub fn views(
             let conn = &p.connections[c.connection];
             let key = snap.conn_key(c.provider, c.connection);
             let s = signals.get(key);
+            let limits = limits(engine, snap, model, c);
             View {
                 target: c.target,
                 connection: c.connection,
                 weight: t.weight,
                 cost: t.cost,
-                inflight: engine.permits.inflight(key),
+                inflight: limits.inflight(),
                 cap: conn.max_concurrent,
                 latency_ms: s.and_then(|s| s.latency.mean(now)),
                 remaining: s

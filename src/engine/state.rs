@@ -5,7 +5,9 @@
 //! across an `.await`; the maps themselves are behind `RwLock`s that are written only
 //! when an entry is first seen, cleared by an operator, or restored at start. Every
 //! mutation returns the store `Change` that persists it; callers hand those to the
-//! batched writer (or commit them at once for terminal states).
+//! batched writer (or commit them at once for terminal states). An entry, once in a
+//! map, is never replaced or removed (a restore writes into it), so a config
+//! generation may keep its handle (`Snapshot::provider_entry`, `Snapshot::conn_entry`).
 
 use crate::policy::breaker::Breaker;
 use crate::policy::cooldown::ConnState;
@@ -43,7 +45,7 @@ pub struct LockEntry {
     pub lock: Lockout,
 }
 
-type Shared<T> = Arc<Mutex<T>>;
+pub type Shared<T> = Arc<Mutex<T>>;
 
 /// Locks a mutex, recovering the data if a panicking thread poisoned it: the state is
 /// plain data and every writer leaves it consistent between statements.
@@ -73,7 +75,13 @@ fn restore_into<T: DeserializeOwned>(
     for (k, v) in rows {
         match serde_json::from_value::<T>(v.clone()) {
             Ok(e) => {
-                map.insert(k.clone(), Arc::new(Mutex::new(e)));
+                // In place when the entry exists: a snapshot may hold its handle.
+                match map.get(k) {
+                    Some(entry) => *lock(entry) = e,
+                    None => {
+                        map.insert(k.clone(), Arc::new(Mutex::new(e)));
+                    }
+                }
                 n += 1;
             }
             Err(e) => {
@@ -179,8 +187,17 @@ impl Tables {
         now: Millis,
     ) -> Option<(Millis, Option<Reason>)> {
         let map = lock(&self.lockouts);
+        // The common case on the select path: no lockout anywhere, nothing to format.
+        if map.is_empty() {
+            return None;
+        }
+        let mut key = String::with_capacity(provider.len() + connection.len() + 48);
         models.iter().find_map(|m| {
-            map.get(&lock_key(provider, connection, m))
+            key.clear();
+            for part in [provider, "/", connection, "/", m] {
+                key.push_str(part);
+            }
+            map.get(&key)
                 .filter(|e| e.lock.active(now))
                 .map(|e| (e.lock.until, e.lock.reason))
         })

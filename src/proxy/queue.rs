@@ -35,29 +35,25 @@ pub(super) async fn wait_for_permit(
     fail_open: bool,
 ) -> Permitted {
     let q = &req.snap.config.resilience.queue;
-    let permits = &req.engine.permits;
     let limits: Vec<_> = full
         .iter()
-        .map(|c| select::limits(req.snap, req.model, c))
+        .map(|c| select::limits(req.engine, req.snap, req.model, c))
         .collect();
     if limits.is_empty() {
         return Permitted::TimedOut;
     }
-    if q.max_depth > 0
-        && limits
-            .iter()
-            .all(|l| permits.waiting(&l.conn_key) >= q.max_depth)
-    {
+    if q.max_depth > 0 && limits.iter().all(|l| l.waiting() >= q.max_depth) {
         return Permitted::Full;
     }
-    let mut keys: Vec<&str> = limits.iter().map(|l| l.conn_key.as_str()).collect();
-    keys.sort_unstable();
-    keys.dedup();
-    let _waiting: Vec<_> = keys.iter().map(|k| permits.wait_on(k)).collect();
+    // Counted once per connection, however many of its models are waited for.
+    let mut per_conn: Vec<_> = limits.clone();
+    per_conn.sort_unstable_by(|a, b| a.conn_key.cmp(&b.conn_key));
+    per_conn.dedup_by(|a, b| a.conn_key == b.conn_key);
+    let _waiting: Vec<_> = per_conn.iter().map(|l| l.wait_on()).collect();
     let waits = limits
         .iter()
         .enumerate()
-        .map(|(i, l)| Box::pin(async move { (i, permits.acquire(l).await) }));
+        .map(|(i, l)| Box::pin(async move { (i, l.acquire().await) }));
     // The other waits are dropped here, before `limits`, which they borrow.
     let won = match watch.race(session, limit, select_all(waits)).await {
         Wait::Ready(((i, got), _, _)) => Wait::Ready((i, got)),
@@ -67,12 +63,12 @@ pub(super) async fn wait_for_permit(
     match won {
         Wait::Ready((i, Some(guard))) => Permitted::Got(full[i], guard),
         // The semaphore was closed under us: go on uncounted rather than fail.
-        Wait::Ready((i, None)) => Permitted::Got(full[i], permits.unlimited(&limits[i])),
+        Wait::Ready((i, None)) => Permitted::Got(full[i], limits[i].unlimited()),
         Wait::ClientGone => Permitted::ClientGone,
         Wait::TimedOut if fail_open => {
             let now = req.engine.now();
             let c = select::pick(req.engine, req.snap, req.model, full, now).unwrap_or(full[0]);
-            let guard = permits.unlimited(&select::limits(req.snap, req.model, &c));
+            let guard = select::limits(req.engine, req.snap, req.model, &c).unlimited();
             Permitted::Got(c, guard)
         }
         Wait::TimedOut => Permitted::TimedOut,

@@ -70,7 +70,7 @@ pub(super) fn p2c(
 
 /// In-flight count, plus `weight × latency / mean latency of the pair` when the weight
 /// is positive and both views have a latency (which they only have from 3 samples on).
-fn p2c_scores(a: &View, b: &View, weight: f64) -> (f64, f64) {
+pub(super) fn p2c_scores(a: &View, b: &View, weight: f64) -> (f64, f64) {
     let (mut sa, mut sb) = (f64::from(a.inflight), f64::from(b.inflight));
     if weight > 0.0 {
         if let (Some(la), Some(lb)) = (a.latency_ms, b.latency_ms) {

@@ -204,25 +204,51 @@ impl ModelRouting {
         best
     }
 
-    /// Rotates through the offered connection indices of `target`, round-robin.
+    /// Rotates through the offered connection indices of `target`, round-robin: the
+    /// first offered one at or after the rotation point, wrapping to the smallest.
     pub fn pick_connection(&mut self, target: usize, offered: &[usize]) -> Option<usize> {
-        if offered.is_empty() {
-            return None;
-        }
+        let start = self.connection_start(target);
+        let best = offered.iter().copied().min_by_key(|&c| (c < start, c))?;
+        self.picked_connection(target, best);
+        Some(best)
+    }
+
+    /// Where the connection rotation of `target` starts: a caller that checks the
+    /// target's connections one by one from here, wrapping, and takes the first usable
+    /// one gets what [`ModelRouting::pick_connection`] would pick among all usable ones.
+    pub fn connection_start(&self, target: usize) -> usize {
+        self.conn_next.get(target).copied().unwrap_or(0)
+    }
+
+    /// Records `connection` as the pick of `target`'s rotation.
+    pub fn picked_connection(&mut self, target: usize, connection: usize) {
         if target >= self.conn_next.len() {
             self.conn_next.resize(target + 1, 0);
         }
-        let start = self.conn_next[target];
-        // Connection indices are small; pick the first offered one at or after `start`.
-        let span = offered.iter().max().copied().unwrap_or(0) + 1;
-        let best = offered
-            .iter()
-            .copied()
-            .min_by_key(|c| (c + span - (start % span)) % span)
-            .unwrap_or(offered[0]);
-        self.conn_next[target] = best + 1;
-        Some(best)
+        self.conn_next[target] = connection + 1;
     }
+
+    /// Where round-robin over `targets` targets starts (the first target to offer).
+    pub fn round_robin_start(&self, targets: usize) -> usize {
+        self.rr_next % self.current.len().max(targets).max(1)
+    }
+
+    /// (target, connection) of the last pick of a load-aware tie rotation.
+    pub fn last_rotated(&self) -> Option<(usize, usize)> {
+        self.view_last
+    }
+
+    /// Records a pick of a load-aware tie rotation.
+    pub fn rotated(&mut self, key: (usize, usize)) {
+        self.view_last = Some(key);
+    }
+}
+
+/// `p2c` between two drawn views: true when the second (`b`) wins, i.e. scores lower
+/// (the first drawn wins a tie).
+pub fn p2c_second_wins(a: &View, b: &View, latency_weight: f64) -> bool {
+    let (sa, sb) = load::p2c_scores(a, b, latency_weight);
+    sb < sa
 }
 
 /// A uniform draw `random ∈ [0, 1)` as an index below `n` (`n ≥ 1`); out-of-range or
