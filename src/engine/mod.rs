@@ -35,7 +35,6 @@ use crate::rules::RuleSet;
 use crate::store::StoreWriter;
 use arc_swap::ArcSwap;
 use permits::{Limits, PermitGuard, Permits};
-use pingora::connectors::http::Connector;
 use pingora::connectors::ConnectorOptions;
 use select::{breaker_config, Exclusion};
 use select::{Asker, Candidate};
@@ -379,7 +378,7 @@ pub struct Engine {
     pub tables: Tables,
     pub metrics: Metrics,
     pub resolver: Resolver,
-    pub connector: Connector,
+    pub upstreams: crate::proxy::pool::Upstreams,
     pub store: Option<StoreWriter>,
     clock: Arc<dyn Clock>,
     pub reload: reload::ReloadState,
@@ -407,7 +406,7 @@ impl Engine {
             tables: Tables::default(),
             metrics,
             resolver: Resolver::default(),
-            connector: Connector::new(Some(opts)),
+            upstreams: crate::proxy::pool::Upstreams::new(opts),
             store,
             clock,
             reload: reload::ReloadState::new(config_path, now),

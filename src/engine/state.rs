@@ -130,16 +130,8 @@ impl Tables {
         get_or_insert(&self.connections, &conn_key(provider, connection))
     }
 
-    /// The connection entry of a `provider/connection` key, if one exists.
-    pub fn connection_by_key(&self, key: &str) -> Option<Shared<ConnEntry>> {
-        self.connections
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(key)
-            .cloned()
-    }
-
-    /// The connection entry if one exists (read paths that must not create entries).
+    /// The connection entry if one exists, without creating it (the select phase does
+    /// create entries, through `Snapshot::conn_entry`: a default entry reads as none).
     pub fn connection_if_any(&self, provider: &str, connection: &str) -> Option<Shared<ConnEntry>> {
         self.connections
             .read()

@@ -152,7 +152,7 @@ async fn phases(
             let p = &call.req.snap.config.providers[call.pick.provider];
             tracing::info!(provider = %p.id, connection = %p.connections[call.pick.connection].id,
                 "pooled upstream connection was closed; request resent on another connection");
-            let got = call.req.engine.connector.get_http_session(&peer);
+            let got = call.req.engine.upstreams.session(&peer);
             up = session_of(watch.race(session, call.left(), got).await)?.0;
             send(session, watch, call, &mut up, first_byte_by).await?
         }
@@ -201,7 +201,7 @@ async fn connect(
     peer.options.total_connection_timeout = Some(p.connect_timeout * 2);
     peer.options.idle_timeout = Some(POOL_IDLE);
     peer.options.write_timeout = Some(WRITE_TIMEOUT);
-    let got = engine.connector.get_http_session(&peer);
+    let got = engine.upstreams.session(&peer);
     let (up, reused) = session_of(watch.race(session, call.left(), got).await)?;
     Ok((up, peer, reused))
 }
@@ -339,8 +339,8 @@ async fn hold_error(
     if complete {
         call.req
             .engine
-            .connector
-            .release_http_session(up, &peer, Some(POOL_IDLE))
+            .upstreams
+            .release(up, &peer, POOL_IDLE)
             .await;
     }
     AttemptEnd::Refused(Box::new(HeldError {

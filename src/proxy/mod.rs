@@ -15,6 +15,7 @@ pub mod ctx;
 pub mod framing;
 pub mod leases;
 pub mod pipeline;
+pub mod pool;
 pub mod queue;
 pub mod resolve;
 pub mod respond;

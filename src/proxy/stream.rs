@@ -53,21 +53,13 @@ pub(super) async fn stream(
     } = c;
     let Some(first) = first else {
         // Empty body: the header already ended the response.
-        req.engine
-            .connector
-            .release_http_session(up, &peer, Some(POOL_IDLE))
-            .await;
+        req.engine.upstreams.release(up, &peer, POOL_IDLE).await;
         return StreamEnd::Complete;
     };
     let mut pump = Pump::new(req, is_sse, deadline);
     let end = pump.run(session, watch, &mut up, first).await;
     match end {
-        StreamEnd::Complete => {
-            req.engine
-                .connector
-                .release_http_session(up, &peer, Some(POOL_IDLE))
-                .await
-        }
+        StreamEnd::Complete => req.engine.upstreams.release(up, &peer, POOL_IDLE).await,
         StreamEnd::Aborted { .. } => up.shutdown().await,
     }
     end

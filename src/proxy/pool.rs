@@ -1,0 +1,390 @@
+//! Upstream HTTP/1.1 connections: Pingora's transport connector connects (TCP, TLS,
+//! connect timeouts); Sluice keeps the idle ones and writes each request in one send.
+//!
+//! Pingora's own `Connector` costs two things per request that this module avoids
+//! (measured in `bench/RESULTS.md`): its HTTP/1 session flushes the request header
+//! before the body is written, so a small request leaves as two sends; and its pool
+//! parks a watcher task on every idle connection, so taking one is a hand-off from that
+//! task (a wake-up and a lock passed between tasks). Here [`OneSend`] holds written
+//! bytes until the first read — an HTTP/1 client reads only after its request is
+//! written — and an idle connection is a plain value in a per-peer list, newest last.
+//!
+//! Invariants: a connection is either in the list or in use, never both; one taken from
+//! the list is checked without blocking first (closed by the upstream, or holding bytes
+//! nobody asked for: dropped), is younger than its idle timeout, and is reported as
+//! reused, so the attempt's stale-connection retry covers it; at most
+//! [`IDLE_PER_PEER`] idle connections per peer, the oldest dropped first. Expired ones
+//! are dropped whenever their peer's list is touched, so a peer that goes quiet keeps at
+//! most that many sockets until its next request.
+
+use crate::engine::state::lock;
+use async_trait::async_trait;
+use pingora::connectors::{ConnectorOptions, TransportConnector};
+use pingora::protocols::http::client::HttpSession;
+use pingora::protocols::http::v1::client::HttpSession as H1Session;
+use pingora::protocols::raw_connect::ProxyDigest;
+use pingora::protocols::tls::{SslDigest, TlsRef};
+use pingora::protocols::{
+    GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, SocketDigest, Ssl, Stream,
+    TimingDigest, UniqueID, UniqueIDType, ALPN,
+};
+use pingora::upstreams::peer::{HttpPeer, Peer};
+use std::collections::HashMap;
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// Idle connections kept per peer.
+pub const IDLE_PER_PEER: usize = 128;
+
+struct Idle {
+    stream: Stream,
+    since: Instant,
+    timeout: Duration,
+}
+
+impl Idle {
+    fn expired(&self, now: Instant) -> bool {
+        now.saturating_duration_since(self.since) >= self.timeout
+    }
+}
+
+/// Connects to upstreams and keeps their idle HTTP/1.1 connections.
+pub struct Upstreams {
+    transport: TransportConnector,
+    idle: Mutex<HashMap<u64, Vec<Idle>>>,
+}
+
+impl Upstreams {
+    pub fn new(options: ConnectorOptions) -> Self {
+        Self {
+            transport: TransportConnector::new(Some(options)),
+            idle: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// An HTTP/1.1 session to `peer`: an idle connection if one is still good (`true`),
+    /// else a new one.
+    pub async fn session(&self, peer: &HttpPeer) -> pingora::Result<(HttpSession, bool)> {
+        if let Some(stream) = self.take(peer.reuse_hash(), crate::clock::monotonic()) {
+            return Ok((session(stream, peer), true));
+        }
+        let stream = self.transport.new_stream(peer).await?;
+        Ok((session(Box::new(OneSend::new(stream)), peer), false))
+    }
+
+    fn take(&self, key: u64, now: Instant) -> Option<Stream> {
+        loop {
+            let mut idle = {
+                let mut map = lock(&self.idle);
+                let list = map.get_mut(&key)?;
+                list.retain(|i| !i.expired(now));
+                list.pop()?
+            };
+            // Dropped (closed) outside the lock.
+            if still_open(&mut idle.stream) {
+                return Some(idle.stream);
+            }
+        }
+    }
+
+    /// Returns a session whose exchange ended: kept when the response was read to its
+    /// end and both sides allow keep-alive, closed otherwise.
+    pub async fn release(&self, session: HttpSession, peer: &HttpPeer, idle_timeout: Duration) {
+        let HttpSession::H1(mut h1) = session else {
+            return;
+        };
+        h1.respect_keepalive();
+        let Some(stream) = h1.reuse().await else {
+            return;
+        };
+        let now = crate::clock::monotonic();
+        let dropped = {
+            let mut map = lock(&self.idle);
+            let list = map.entry(peer.reuse_hash()).or_default();
+            list.push(Idle {
+                stream,
+                since: now,
+                timeout: idle_timeout,
+            });
+            list.retain(|i| !i.expired(now));
+            let over = list.len().saturating_sub(IDLE_PER_PEER);
+            list.drain(..over).collect::<Vec<_>>()
+        };
+        // Closed outside the lock.
+        drop(dropped);
+    }
+
+    /// Idle connections kept now, over all peers.
+    pub fn idle_count(&self) -> usize {
+        lock(&self.idle).values().map(Vec::len).sum()
+    }
+}
+
+fn session(stream: Stream, peer: &HttpPeer) -> HttpSession {
+    HttpSession::H1(H1Session::new_with_options(stream, peer))
+}
+
+/// True when an idle connection has neither been closed nor sent anything: a read that
+/// would block. (A byte read here is one nobody asked for: the connection is dropped.)
+fn still_open(stream: &mut Stream) -> bool {
+    let mut byte = [0u8; 1];
+    let mut buf = ReadBuf::new(&mut byte);
+    let mut cx = Context::from_waker(Waker::noop());
+    matches!(Pin::new(stream).poll_read(&mut cx, &mut buf), Poll::Pending)
+}
+
+/// Bytes a [`OneSend`] holds before it writes them through.
+const HOLD: usize = 16 * 1024;
+
+/// A stream that holds what is written until the next read (or shutdown, or more than
+/// [`HOLD`] bytes): the request header, which Pingora writes and flushes on its own,
+/// leaves with the body in one send. Pingora's upstream TCP stream has no write buffer
+/// of its own, so every write would otherwise be a send.
+#[derive(Debug)]
+pub struct OneSend {
+    inner: Stream,
+    /// Written by the caller, not yet to the socket.
+    held: Vec<u8>,
+}
+
+impl OneSend {
+    pub fn new(inner: Stream) -> Self {
+        Self {
+            inner,
+            held: Vec::new(),
+        }
+    }
+
+    /// Writes out what is held, then flushes the stream below (a TLS layer may buffer).
+    fn drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.held.is_empty() {
+            return Poll::Ready(Ok(()));
+        }
+        while !self.held.is_empty() {
+            match std::task::ready!(Pin::new(&mut self.inner).poll_write(cx, &self.held)) {
+                Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                Ok(n) => {
+                    self.held.drain(..n);
+                }
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+        }
+        if self.held.capacity() > HOLD {
+            self.held = Vec::new();
+        }
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+}
+
+impl AsyncRead for OneSend {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        std::task::ready!(this.drain(cx))?;
+        Pin::new(&mut this.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for OneSend {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.held.len() + buf.len() > HOLD {
+            std::task::ready!(this.drain(cx))?;
+            if buf.len() > HOLD {
+                return Pin::new(&mut this.inner).poll_write(cx, buf);
+            }
+        }
+        this.held.extend_from_slice(buf);
+        Poll::Ready(Ok(buf.len()))
+    }
+
+    /// Deferred: the bytes go with the next read, or at shutdown.
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        std::task::ready!(this.drain(cx))?;
+        Pin::new(&mut this.inner).poll_shutdown(cx)
+    }
+}
+
+#[async_trait]
+impl Shutdown for OneSend {
+    async fn shutdown(&mut self) {
+        let _ = std::future::poll_fn(|cx| self.drain(cx)).await;
+        self.inner.shutdown().await
+    }
+}
+
+impl UniqueID for OneSend {
+    fn id(&self) -> UniqueIDType {
+        self.inner.id()
+    }
+}
+
+impl Ssl for OneSend {
+    fn get_ssl(&self) -> Option<&TlsRef> {
+        self.inner.get_ssl()
+    }
+    fn get_ssl_digest(&self) -> Option<Arc<SslDigest>> {
+        self.inner.get_ssl_digest()
+    }
+    fn selected_alpn_proto(&self) -> Option<ALPN> {
+        self.inner.selected_alpn_proto()
+    }
+}
+
+impl GetTimingDigest for OneSend {
+    fn get_timing_digest(&self) -> Vec<Option<TimingDigest>> {
+        self.inner.get_timing_digest()
+    }
+    fn get_read_pending_time(&self) -> Duration {
+        self.inner.get_read_pending_time()
+    }
+    fn get_write_pending_time(&self) -> Duration {
+        self.inner.get_write_pending_time()
+    }
+}
+
+impl GetProxyDigest for OneSend {
+    fn get_proxy_digest(&self) -> Option<Arc<ProxyDigest>> {
+        self.inner.get_proxy_digest()
+    }
+    fn set_proxy_digest(&mut self, digest: ProxyDigest) {
+        self.inner.set_proxy_digest(digest)
+    }
+}
+
+impl GetSocketDigest for OneSend {
+    fn get_socket_digest(&self) -> Option<Arc<SocketDigest>> {
+        self.inner.get_socket_digest()
+    }
+    fn set_socket_digest(&mut self, digest: SocketDigest) {
+        self.inner.set_socket_digest(digest)
+    }
+}
+
+#[async_trait]
+impl Peek for OneSend {
+    async fn try_peek(&mut self, buf: &mut [u8]) -> io::Result<bool> {
+        self.inner.try_peek(buf).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    /// A connected loopback pair: (Pingora stream of the client side, server side).
+    async fn pair() -> (Stream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (s, _) = l.accept().await.unwrap();
+        let c: pingora::protocols::l4::stream::Stream = c.into();
+        (Box::new(c), s)
+    }
+
+    async fn nothing_to_read(s: &mut TcpStream) -> bool {
+        let mut b = [0u8; 64];
+        tokio::time::timeout(Duration::from_millis(50), s.read(&mut b))
+            .await
+            .is_err()
+    }
+
+    #[tokio::test]
+    async fn writes_are_held_until_the_first_read_then_leave_together() {
+        let (c, mut server) = pair().await;
+        let mut c = OneSend::new(c);
+        c.write_all(b"POST / HTTP/1.1\r\ncontent-length: 4\r\n\r\n")
+            .await
+            .unwrap();
+        c.flush().await.unwrap();
+        c.write_all(b"body").await.unwrap();
+        c.flush().await.unwrap();
+        assert!(nothing_to_read(&mut server).await, "sent before the read");
+        // The client starts reading its answer: the request goes first, in one piece.
+        let reader = tokio::spawn(async move {
+            let mut b = [0u8; 8];
+            let n = c.read(&mut b).await.unwrap();
+            b[..n].to_vec()
+        });
+        let mut got = vec![0u8; 256];
+        let n = server.read(&mut got).await.unwrap();
+        assert_eq!(
+            &got[..n],
+            b"POST / HTTP/1.1\r\ncontent-length: 4\r\n\r\nbody"
+        );
+        server.write_all(b"ok").await.unwrap();
+        assert_eq!(reader.await.unwrap(), b"ok");
+    }
+
+    #[tokio::test]
+    async fn a_large_write_goes_through_without_waiting_for_a_read() {
+        let (c, mut server) = pair().await;
+        let mut c = OneSend::new(c);
+        let big = vec![b'x'; HOLD + 1];
+        c.write_all(b"head").await.unwrap();
+        c.write_all(&big).await.unwrap();
+        let mut got = Vec::new();
+        let mut b = vec![0u8; 64 * 1024];
+        while got.len() < 4 + big.len() {
+            let n = server.read(&mut b).await.unwrap();
+            assert!(n > 0);
+            got.extend_from_slice(&b[..n]);
+        }
+        assert_eq!(&got[..4], b"head");
+    }
+
+    #[tokio::test]
+    async fn taking_skips_closed_and_expired_connections() {
+        let pool = Upstreams::new(ConnectorOptions::new(8));
+        let now = crate::clock::monotonic();
+        let (expired, _s1) = pair().await;
+        let (closed, s2) = pair().await;
+        let (good, mut s3) = pair().await;
+        drop(s2);
+        // Let the FIN arrive.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let idle = |stream, timeout| Idle {
+            stream,
+            since: now,
+            timeout,
+        };
+        lock(&pool.idle).insert(
+            7,
+            vec![
+                idle(good, Duration::from_secs(60)),
+                idle(closed, Duration::from_secs(60)),
+                idle(expired, Duration::ZERO),
+            ],
+        );
+        let mut got = pool.take(7, now).expect("the good connection");
+        assert_eq!(
+            pool.idle_count(),
+            0,
+            "the closed and the expired one are gone"
+        );
+        assert!(pool.take(7, now).is_none());
+        // It is the open one: bytes written on it arrive.
+        got.write_all(b"hi").await.unwrap();
+        got.flush().await.unwrap();
+        let mut b = [0u8; 2];
+        s3.read_exact(&mut b).await.unwrap();
+        assert_eq!(&b, b"hi");
+    }
+}
