@@ -28,6 +28,7 @@ fn lists_every_problem_with_its_path() {
     let yaml = r#"
 server:
   listen: "nowhere"
+  threads: 300
   max_attempts: 0
   max_body_bytes: "16 parsecs"
 providers:
@@ -67,9 +68,10 @@ frobnicate: 1
     assert_eq!(code, 1, "{out}");
     // A provider that failed validation is not reported again by every reference to it.
     assert!(!out.contains("unknown provider \"openai\""), "{out}");
-    assert_eq!(out.matches("error:").count(), 12, "{out}");
+    assert_eq!(out.matches("error:").count(), 13, "{out}");
     for needle in [
         "broken.yaml: server.listen: \"nowhere\" is not an ip:port address",
+        "server.threads: must be between 0 (one per core) and 256",
         "server.max_attempts: must be between 1 and 20",
         "server.max_body_bytes: invalid size",
         "providers[0].base_url: \"ftp://api.example.com\" must start with http:// or https://",

@@ -11,9 +11,13 @@ use std::time::Duration;
 impl Validator<'_> {
     pub(super) fn server(&mut self, root: &Mapping) -> ServerConfig {
         let raw: RawServer = self.section(root, "server");
-        let threads = raw.threads.unwrap_or(2);
+        // 0 (the default) = one worker thread per core the process may run on.
+        let threads = match raw.threads.unwrap_or(0) {
+            0 => std::thread::available_parallelism().map_or(2, |n| n.get().min(256)),
+            n => n,
+        };
         if !(1..=256).contains(&threads) {
-            self.err("server.threads", "must be between 1 and 256");
+            self.err("server.threads", "must be between 0 (one per core) and 256");
         }
         let max_attempts = raw.max_attempts.unwrap_or(3);
         if !(1..=20).contains(&max_attempts) {
@@ -81,5 +85,28 @@ impl Validator<'_> {
             keepalive_timeout,
             max_client_connections,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::parse_str;
+    use std::path::Path;
+
+    fn threads(server: &str) -> usize {
+        let yaml = format!("{server}providers:\n  - id: p\n    base_url: \"http://127.0.0.1:9\"\n    api: openai\n    connections: [ {{ id: c }} ]\nmodels:\n  - name: m\n    targets: [ {{ provider: p, model: u }} ]\n");
+        parse_str(&yaml, "t.yaml", Path::new("."), &|_| None)
+            .expect("valid config")
+            .config
+            .server
+            .threads
+    }
+
+    #[test]
+    fn threads_default_to_one_per_core() {
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        assert_eq!(threads(""), cores);
+        assert_eq!(threads("server:\n  threads: 0\n"), cores);
+        assert_eq!(threads("server:\n  threads: 3\n"), 3);
     }
 }
