@@ -64,6 +64,9 @@ async def main():
     print(f"streams: {n} opened {len(opened)} completed {len(done)}")
     print(f"RSS of pid {pid}: idle {base:.1f} MB, peak {peak:.1f} MB")
     print(f"client-side chunk gaps: p50 {p50:.1f} ms, p99 {p99:.1f} ms")
+    per = (peak - base) * 1024 / n if n else float("nan")
+    # One line for bench/streams.sh's table.
+    print(f"RESULT {n} {len(done)} {base:.1f} {peak:.1f} {per:.1f} {p50:.1f} {p99:.1f}")
 
 
 asyncio.run(main())
