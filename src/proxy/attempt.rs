@@ -144,15 +144,15 @@ async fn phases(
     let header = match send(session, watch, call, &mut up, first_byte_by).await {
         // A pooled connection the upstream closed as it was taken (closed or reset at
         // once, not one byte of an answer: Pingora's "retry if reused") says nothing
-        // about the provider, so the request goes once more, on the next connection
-        // the connector gives, within the same attempt and the same first-byte budget.
+        // about the provider, so the request goes once more, on a new connection (the
+        // upstream may have closed every idle one at once), within the same attempt and the same first-byte budget.
         // Only once, and only right after the write: anything later may be an upstream
         // that took the request and died on it, which is the provider's failure.
         Err(AttemptEnd::Transport(TransportKind::Reset, STALE)) if reused => {
             let p = &call.req.snap.config.providers[call.pick.provider];
             tracing::info!(provider = %p.id, connection = %p.connections[call.pick.connection].id,
                 "pooled upstream connection was closed; request resent on another connection");
-            let got = call.req.engine.upstreams.session(&peer);
+            let got = async { Ok((call.req.engine.upstreams.fresh(&peer).await?, false)) };
             up = session_of(watch.race(session, call.left(), got).await)?.0;
             send(session, watch, call, &mut up, first_byte_by).await?
         }

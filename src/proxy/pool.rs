@@ -30,6 +30,7 @@ use pingora::protocols::{
 };
 use pingora::upstreams::peer::{HttpPeer, Peer};
 use std::collections::HashMap;
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -39,6 +40,10 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// Idle connections kept per peer.
 pub const IDLE_PER_PEER: usize = 128;
+
+/// Every list is swept this often (expired and emptied ones dropped), so peers that went
+/// quiet — a provider removed by a reload, an address DNS no longer gives — keep nothing.
+const SWEEP_EVERY: Duration = Duration::from_secs(10);
 
 struct Idle {
     stream: Stream,
@@ -52,17 +57,54 @@ impl Idle {
     }
 }
 
+/// The idle connections, by `HttpPeer::reuse_hash`, each list oldest first.
+struct IdleSet {
+    by_peer: HashMap<u64, Vec<Idle>>,
+    total: usize,
+    /// At most this many over all peers (the connector's `keepalive_pool_size`).
+    cap: usize,
+    swept: Instant,
+}
+
+impl IdleSet {
+    /// Moves the expired connections of `key` (every key when a sweep is due) to `out`,
+    /// to be closed once the lock is released.
+    fn expire(&mut self, key: u64, now: Instant, out: &mut Vec<Idle>) {
+        let sweep = now.saturating_duration_since(self.swept) >= SWEEP_EVERY;
+        if sweep {
+            self.swept = now;
+        }
+        let before = out.len();
+        self.by_peer.retain(|k, list| {
+            if sweep || *k == key {
+                let (gone, kept): (Vec<Idle>, Vec<Idle>) =
+                    list.drain(..).partition(|i| i.expired(now));
+                out.extend(gone);
+                *list = kept;
+            }
+            !list.is_empty() || *k == key
+        });
+        self.total -= out.len() - before;
+    }
+}
+
 /// Connects to upstreams and keeps their idle HTTP/1.1 connections.
 pub struct Upstreams {
     transport: TransportConnector,
-    idle: Mutex<HashMap<u64, Vec<Idle>>>,
+    idle: Mutex<IdleSet>,
 }
 
 impl Upstreams {
     pub fn new(options: ConnectorOptions) -> Self {
+        let cap = options.keepalive_pool_size;
         Self {
             transport: TransportConnector::new(Some(options)),
-            idle: Mutex::new(HashMap::new()),
+            idle: Mutex::new(IdleSet {
+                by_peer: HashMap::new(),
+                total: 0,
+                cap,
+                swept: crate::clock::monotonic(),
+            }),
         }
     }
 
@@ -72,23 +114,36 @@ impl Upstreams {
         if let Some(stream) = self.take(peer.reuse_hash(), crate::clock::monotonic()) {
             return Ok((session(stream, peer), true));
         }
+        Ok((self.fresh(peer).await?, false))
+    }
+
+    /// A session on a new connection (the retry after a pooled one turned out closed:
+    /// the upstream may have closed all its idle connections at once).
+    pub async fn fresh(&self, peer: &HttpPeer) -> pingora::Result<HttpSession> {
         let stream = self.transport.new_stream(peer).await?;
-        Ok((session(Box::new(OneSend::new(stream)), peer), false))
+        Ok(session(Box::new(OneSend::new(stream)), peer))
     }
 
     fn take(&self, key: u64, now: Instant) -> Option<Stream> {
-        loop {
+        let mut closed = Vec::new();
+        let found = loop {
             let mut idle = {
-                let mut map = lock(&self.idle);
-                let list = map.get_mut(&key)?;
-                list.retain(|i| !i.expired(now));
-                list.pop()?
+                let mut set = lock(&self.idle);
+                set.expire(key, now, &mut closed);
+                let Some(i) = set.by_peer.get_mut(&key).and_then(Vec::pop) else {
+                    break None;
+                };
+                set.total -= 1;
+                i
             };
-            // Dropped (closed) outside the lock.
             if still_open(&mut idle.stream) {
-                return Some(idle.stream);
+                break Some(idle.stream);
             }
-        }
+            closed.push(idle);
+        };
+        // Closed outside the lock.
+        drop(closed);
+        found
     }
 
     /// Returns a session whose exchange ended: kept when the response was read to its
@@ -102,25 +157,36 @@ impl Upstreams {
             return;
         };
         let now = crate::clock::monotonic();
-        let dropped = {
-            let mut map = lock(&self.idle);
-            let list = map.entry(peer.reuse_hash()).or_default();
-            list.push(Idle {
+        let key = peer.reuse_hash();
+        let mut closed = Vec::new();
+        {
+            let mut set = lock(&self.idle);
+            set.expire(key, now, &mut closed);
+            let idle = Idle {
                 stream,
                 since: now,
                 timeout: idle_timeout,
-            });
-            list.retain(|i| !i.expired(now));
-            let over = list.len().saturating_sub(IDLE_PER_PEER);
-            list.drain(..over).collect::<Vec<_>>()
-        };
-        // Closed outside the lock.
-        drop(dropped);
+            };
+            let full = set.total >= set.cap;
+            let list = set.by_peer.entry(key).or_default();
+            if full && list.is_empty() {
+                closed.push(idle);
+            } else {
+                list.push(idle);
+                // Over a cap: this peer's oldest goes.
+                if full || list.len() > IDLE_PER_PEER {
+                    closed.push(list.remove(0));
+                } else {
+                    set.total += 1;
+                }
+            }
+        }
+        drop(closed);
     }
 
     /// Idle connections kept now, over all peers.
     pub fn idle_count(&self) -> usize {
-        lock(&self.idle).values().map(Vec::len).sum()
+        lock(&self.idle).total
     }
 }
 
@@ -134,7 +200,10 @@ fn still_open(stream: &mut Stream) -> bool {
     let mut byte = [0u8; 1];
     let mut buf = ReadBuf::new(&mut byte);
     let mut cx = Context::from_waker(Waker::noop());
-    matches!(Pin::new(stream).poll_read(&mut cx, &mut buf), Poll::Pending)
+    // Outside the task's cooperative budget: a spent budget would read as "would block".
+    let read = std::future::poll_fn(|cx| Pin::new(&mut *stream).poll_read(cx, &mut buf));
+    let mut read = std::pin::pin!(tokio::task::unconstrained(read));
+    matches!(read.as_mut().poll(&mut cx), Poll::Pending)
 }
 
 /// Bytes a [`OneSend`] holds before it writes them through.
@@ -147,8 +216,11 @@ const HOLD: usize = 16 * 1024;
 #[derive(Debug)]
 pub struct OneSend {
     inner: Stream,
-    /// Written by the caller, not yet to the socket.
+    /// Written by the caller, not yet to the stream below.
     held: Vec<u8>,
+    /// Written to the stream below and not flushed since: a TLS layer takes bytes
+    /// before they reach the socket, and only a flush pushes them out.
+    unflushed: bool,
 }
 
 impl OneSend {
@@ -156,27 +228,31 @@ impl OneSend {
         Self {
             inner,
             held: Vec::new(),
+            unflushed: false,
         }
     }
 
-    /// Writes out what is held, then flushes the stream below (a TLS layer may buffer).
+    /// Writes out what is held, then flushes the stream below until it is done.
     fn drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        if self.held.is_empty() {
-            return Poll::Ready(Ok(()));
-        }
         while !self.held.is_empty() {
             match std::task::ready!(Pin::new(&mut self.inner).poll_write(cx, &self.held)) {
                 Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
                 Ok(n) => {
                     self.held.drain(..n);
+                    self.unflushed = true;
                 }
                 Err(e) => return Poll::Ready(Err(e)),
             }
         }
-        if self.held.capacity() > HOLD {
+        // An idle connection keeps little: a request's worth of capacity at most.
+        if self.held.capacity() > 4096 {
             self.held = Vec::new();
         }
-        Pin::new(&mut self.inner).poll_flush(cx)
+        if self.unflushed {
+            std::task::ready!(Pin::new(&mut self.inner).poll_flush(cx))?;
+            self.unflushed = false;
+        }
+        Poll::Ready(Ok(()))
     }
 }
 
@@ -202,7 +278,11 @@ impl AsyncWrite for OneSend {
         if this.held.len() + buf.len() > HOLD {
             std::task::ready!(this.drain(cx))?;
             if buf.len() > HOLD {
-                return Pin::new(&mut this.inner).poll_write(cx, buf);
+                let r = Pin::new(&mut this.inner).poll_write(cx, buf);
+                if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+                    this.unflushed = true;
+                }
+                return r;
             }
         }
         this.held.extend_from_slice(buf);
@@ -340,14 +420,13 @@ mod tests {
         let big = vec![b'x'; HOLD + 1];
         c.write_all(b"head").await.unwrap();
         c.write_all(&big).await.unwrap();
-        let mut got = Vec::new();
-        let mut b = vec![0u8; 64 * 1024];
-        while got.len() < 4 + big.len() {
-            let n = server.read(&mut b).await.unwrap();
-            assert!(n > 0);
-            got.extend_from_slice(&b[..n]);
-        }
+        let mut got = vec![0u8; 4 + big.len()];
+        tokio::time::timeout(Duration::from_secs(10), server.read_exact(&mut got))
+            .await
+            .expect("the large write did not go through")
+            .unwrap();
         assert_eq!(&got[..4], b"head");
+        assert!(got[4..].iter().all(|&b| b == b'x'));
     }
 
     #[tokio::test]
@@ -365,14 +444,18 @@ mod tests {
             since: now,
             timeout,
         };
-        lock(&pool.idle).insert(
-            7,
-            vec![
-                idle(good, Duration::from_secs(60)),
-                idle(closed, Duration::from_secs(60)),
-                idle(expired, Duration::ZERO),
-            ],
-        );
+        {
+            let mut set = lock(&pool.idle);
+            set.by_peer.insert(
+                7,
+                vec![
+                    idle(good, Duration::from_secs(60)),
+                    idle(closed, Duration::from_secs(60)),
+                    idle(expired, Duration::ZERO),
+                ],
+            );
+            set.total = 3;
+        }
         let mut got = pool.take(7, now).expect("the good connection");
         assert_eq!(
             pool.idle_count(),
@@ -386,5 +469,95 @@ mod tests {
         let mut b = [0u8; 2];
         s3.read_exact(&mut b).await.unwrap();
         assert_eq!(&b, b"hi");
+    }
+
+    /// A stream below that keeps written bytes until it is flushed, as TLS does.
+    #[derive(Debug, Default)]
+    struct Sealed {
+        written: Vec<u8>,
+        sent: Arc<Mutex<Vec<u8>>>,
+    }
+
+    impl AsyncRead for Sealed {
+        fn poll_read(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            _: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            Poll::Pending
+        }
+    }
+
+    impl AsyncWrite for Sealed {
+        fn poll_write(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            self.get_mut().written.extend_from_slice(buf);
+            Poll::Ready(Ok(buf.len()))
+        }
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            let this = self.get_mut();
+            lock(&this.sent).append(&mut this.written);
+            Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[async_trait]
+    impl Shutdown for Sealed {
+        async fn shutdown(&mut self) {}
+    }
+    impl UniqueID for Sealed {
+        fn id(&self) -> UniqueIDType {
+            0
+        }
+    }
+    impl Ssl for Sealed {}
+    impl GetTimingDigest for Sealed {
+        fn get_timing_digest(&self) -> Vec<Option<TimingDigest>> {
+            Vec::new()
+        }
+    }
+    impl GetProxyDigest for Sealed {
+        fn get_proxy_digest(&self) -> Option<Arc<ProxyDigest>> {
+            None
+        }
+    }
+    impl GetSocketDigest for Sealed {
+        fn get_socket_digest(&self) -> Option<Arc<SocketDigest>> {
+            None
+        }
+    }
+    impl Peek for Sealed {}
+
+    #[test]
+    fn a_read_flushes_the_stream_below_whatever_the_write_size() {
+        for size in [10, HOLD + 1] {
+            let sealed = Sealed::default();
+            let sent = sealed.sent.clone();
+            let mut s = OneSend::new(Box::new(sealed));
+            let body = vec![b'b'; size];
+            let mut cx = Context::from_waker(Waker::noop());
+            for part in [&b"head"[..], &body] {
+                let mut done = 0;
+                while done < part.len() {
+                    match Pin::new(&mut s).poll_write(&mut cx, &part[done..]) {
+                        Poll::Ready(Ok(n)) => done += n,
+                        other => panic!("write: {other:?}"),
+                    }
+                }
+                assert!(Pin::new(&mut s).poll_flush(&mut cx).is_ready());
+            }
+            let mut b = [0u8; 1];
+            let mut buf = ReadBuf::new(&mut b);
+            assert!(Pin::new(&mut s).poll_read(&mut cx, &mut buf).is_pending());
+            let sent = lock(&sent).clone();
+            assert_eq!(sent.len(), 4 + size, "{size}: bytes left below the wrapper");
+            assert_eq!(&sent[..4], b"head");
+        }
     }
 }
