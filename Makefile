@@ -38,8 +38,9 @@ check:
 		$(CARGO) run --quiet --bin sluice -- check --config conf/sluice.yaml
 
 ## Side-by-side benchmark: direct mock vs the bare Pingora floor vs Sluice (vs nginx when
-## installed), CPU µs per request for each gateway; then 1,000
-## concurrent SSE streams, then the selection micro-benchmark.
+## installed), CPU µs per request for each gateway; then 1,000 and 8,000
+## concurrent SSE streams (RSS per stream, added chunk gap), then the selection
+## micro-benchmark (bench/RESULTS.md has the recorded runs).
 bench: build
 	$(CARGO) build --release --example floor
 	./bench/run.sh

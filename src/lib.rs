@@ -18,3 +18,4 @@ pub mod rules;
 pub mod server;
 pub mod sse;
 pub mod store;
+mod stream_wrap;

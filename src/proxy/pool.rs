@@ -22,12 +22,8 @@ use async_trait::async_trait;
 use pingora::connectors::{ConnectorOptions, TransportConnector};
 use pingora::protocols::http::client::HttpSession;
 use pingora::protocols::http::v1::client::HttpSession as H1Session;
-use pingora::protocols::raw_connect::ProxyDigest;
 use pingora::protocols::tls::{SslDigest, TlsRef};
-use pingora::protocols::{
-    GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, SocketDigest, Ssl, Stream,
-    TimingDigest, UniqueID, UniqueIDType, ALPN,
-};
+use pingora::protocols::{Shutdown, Ssl, Stream, ALPN};
 use pingora::upstreams::peer::{HttpPeer, Peer};
 use std::collections::HashMap;
 use std::future::Future;
@@ -309,12 +305,6 @@ impl Shutdown for OneSend {
     }
 }
 
-impl UniqueID for OneSend {
-    fn id(&self) -> UniqueIDType {
-        self.inner.id()
-    }
-}
-
 impl Ssl for OneSend {
     fn get_ssl(&self) -> Option<&TlsRef> {
         self.inner.get_ssl()
@@ -327,46 +317,16 @@ impl Ssl for OneSend {
     }
 }
 
-impl GetTimingDigest for OneSend {
-    fn get_timing_digest(&self) -> Vec<Option<TimingDigest>> {
-        self.inner.get_timing_digest()
-    }
-    fn get_read_pending_time(&self) -> Duration {
-        self.inner.get_read_pending_time()
-    }
-    fn get_write_pending_time(&self) -> Duration {
-        self.inner.get_write_pending_time()
-    }
-}
-
-impl GetProxyDigest for OneSend {
-    fn get_proxy_digest(&self) -> Option<Arc<ProxyDigest>> {
-        self.inner.get_proxy_digest()
-    }
-    fn set_proxy_digest(&mut self, digest: ProxyDigest) {
-        self.inner.set_proxy_digest(digest)
-    }
-}
-
-impl GetSocketDigest for OneSend {
-    fn get_socket_digest(&self) -> Option<Arc<SocketDigest>> {
-        self.inner.get_socket_digest()
-    }
-    fn set_socket_digest(&mut self, digest: SocketDigest) {
-        self.inner.set_socket_digest(digest)
-    }
-}
-
-#[async_trait]
-impl Peek for OneSend {
-    async fn try_peek(&mut self, buf: &mut [u8]) -> io::Result<bool> {
-        self.inner.try_peek(buf).await
-    }
-}
+crate::stream_wrap::forward_stream_traits!(OneSend);
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pingora::protocols::raw_connect::ProxyDigest;
+    use pingora::protocols::{
+        GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, SocketDigest, TimingDigest,
+        UniqueID, UniqueIDType,
+    };
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::{TcpListener, TcpStream};
 

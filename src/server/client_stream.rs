@@ -30,15 +30,11 @@ use crate::codes::ErrorCode;
 use crate::config::Family;
 use crate::error::ClientError;
 use async_trait::async_trait;
-use pingora::protocols::{
-    GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, Ssl, Stream, UniqueID,
-    UniqueIDType,
-};
+use pingora::protocols::{Shutdown, Ssl, Stream};
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -401,47 +397,9 @@ impl Shutdown for ClientStream {
     }
 }
 
-impl UniqueID for ClientStream {
-    fn id(&self) -> UniqueIDType {
-        self.inner.id()
-    }
-}
-
 impl Ssl for ClientStream {}
 
-impl GetTimingDigest for ClientStream {
-    fn get_timing_digest(&self) -> Vec<Option<pingora::protocols::TimingDigest>> {
-        self.inner.get_timing_digest()
-    }
-    fn get_read_pending_time(&self) -> Duration {
-        self.inner.get_read_pending_time()
-    }
-    fn get_write_pending_time(&self) -> Duration {
-        self.inner.get_write_pending_time()
-    }
-}
-
-impl GetProxyDigest for ClientStream {
-    fn get_proxy_digest(&self) -> Option<Arc<pingora::protocols::raw_connect::ProxyDigest>> {
-        self.inner.get_proxy_digest()
-    }
-}
-
-impl GetSocketDigest for ClientStream {
-    fn get_socket_digest(&self) -> Option<Arc<pingora::protocols::SocketDigest>> {
-        self.inner.get_socket_digest()
-    }
-    fn set_socket_digest(&mut self, d: pingora::protocols::SocketDigest) {
-        self.inner.set_socket_digest(d)
-    }
-}
-
-#[async_trait]
-impl Peek for ClientStream {
-    async fn try_peek(&mut self, buf: &mut [u8]) -> io::Result<bool> {
-        self.inner.try_peek(buf).await
-    }
-}
+crate::stream_wrap::forward_stream_traits!(ClientStream);
 
 #[cfg(test)]
 mod tests {
