@@ -351,17 +351,7 @@ fn chaos_run() {
     );
     let started_at = now_text();
 
-    let chunks = MOCK_CHUNKS.to_string();
-    let mock_args = [
-        "--chunks",
-        chunks.as_str(),
-        "--chunk-interval",
-        "25ms",
-        "--threads",
-        "1",
-    ];
-    let mock_a = Mock::start_named("a", &mock_args);
-    let mock_b = Mock::start_named("b", &mock_args);
+    let (mock_a, mock_b) = reliability::start_mocks();
     let mut gw = Gw::start(&config(mock_a.addr, mock_b.addr), KEYS, "warn");
 
     let shared = Arc::new(Shared {

@@ -1178,16 +1178,7 @@ mod request_line {
     use sluice::policy::affinity::{session_key, MAX_SESSION_BYTES, SESSION_HEADERS};
     use sluice::proxy::routes::{normalize, Route};
 
-    const ROUTES: [Route; 8] = [
-        Route::ChatCompletions,
-        Route::Completions,
-        Route::Embeddings,
-        Route::Responses,
-        Route::Messages,
-        Route::CountTokens,
-        Route::Models,
-        Route::SessionLeases,
-    ];
+    const ROUTES: [Route; 8] = Route::ALL;
 
     /// A canonical route path disguised the ways normalisation must see through:
     /// percent-encoded unreserved bytes, empty and `.` segments, `x/..`, a trailing

@@ -36,11 +36,10 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use common::Mock;
 use reliability::gateway::Gw;
 use reliability::procfs::{cpu_ticks, fd_count, rss_kib, ticks_per_sec};
 use reliability::tally::Tally;
-use reliability::verdict::{self, Verdict, MOCK_CHUNKS};
+use reliability::verdict::{self, Verdict};
 use reliability::{client, env_secs, now_text, slope, write_report, Api, Shape};
 
 const SAMPLE_EVERY: Duration = Duration::from_secs(10);
@@ -184,17 +183,7 @@ fn soak_run() {
     println!("SOAK secs={secs} clients={clients} seed={seed}");
     let started_at = now_text();
 
-    let chunks = MOCK_CHUNKS.to_string();
-    let mock_args = [
-        "--chunks",
-        chunks.as_str(),
-        "--chunk-interval",
-        "25ms",
-        "--threads",
-        "1",
-    ];
-    let mock_a = Mock::start_named("a", &mock_args);
-    let mock_b = Mock::start_named("b", &mock_args);
+    let (mock_a, mock_b) = reliability::start_mocks();
     let gw = Gw::start(&config(mock_a.addr, mock_b.addr), KEYS, "info");
     let pid = gw.pid();
     let t0 = Instant::now();

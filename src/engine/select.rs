@@ -182,18 +182,18 @@ impl Ctx<'_> {
             return excluded(ExclusionReason::AlreadyTried, None, None, None);
         }
         let tables = &self.engine.tables;
-        let conn_state = {
+        let (eligibility, cause) = {
             let e = lock(snap.conn_entry(tables, t.provider, ci));
-            Some((e.state.eligibility(now), e.state.last_error_reason))
+            (e.state.eligibility(now), e.state.last_error_reason)
         };
-        if let Some((Eligibility::Terminal(s), cause)) = conn_state {
-            return excluded(ExclusionReason::Terminal, None, Some(s.as_str()), cause);
-        }
-        let cooling = match conn_state {
-            Some((Eligibility::Cooling { until }, cause)) => {
+        let cooling = match eligibility {
+            Eligibility::Terminal(s) => {
+                return excluded(ExclusionReason::Terminal, None, Some(s.as_str()), cause)
+            }
+            Eligibility::Cooling { until } => {
                 Some((ExclusionReason::ConnectionCooldown, until, cause))
             }
-            _ => None,
+            Eligibility::Eligible => None,
         };
         let locked = if cfg.resilience.model_lockout.enabled {
             tables

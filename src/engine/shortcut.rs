@@ -151,16 +151,14 @@ impl Short<'_> {
     /// their order, which is the one they would pick among all offers.
     fn target_level(&self, strategy: Strategy, routing: &mut ModelRouting) -> Option<Candidate> {
         let n = self.targets();
-        let (order, first_wins): (Vec<usize>, bool) = match strategy {
-            Strategy::Priority => ((0..n).collect(), true),
-            Strategy::RoundRobin => {
-                let start = routing.round_robin_start(n);
-                ((start..n).chain(0..start).collect(), true)
-            }
-            _ => ((0..n).collect(), false),
+        let start = match strategy {
+            Strategy::RoundRobin => routing.round_robin_start(n),
+            _ => 0,
         };
-        let mut offers: Vec<(Offer, Candidate)> = Vec::new();
-        for ti in order {
+        let first_wins = matches!(strategy, Strategy::Priority | Strategy::RoundRobin);
+        let mut offers: Vec<Offer> = Vec::new();
+        let mut found: Vec<Candidate> = Vec::new();
+        for ti in (start..n).chain(0..start) {
             let gate = if strategy == Strategy::Priority {
                 self.gate(ti)
             } else {
@@ -175,14 +173,14 @@ impl Short<'_> {
                 weight: t.weight,
                 cost: t.cost,
             };
-            offers.push((offer, c));
+            offers.push(offer);
+            found.push(c);
             if first_wins {
                 break;
             }
         }
-        let list: Vec<Offer> = offers.iter().map(|(o, _)| *o).collect();
-        let target = routing.pick(strategy, &list, rand::random())?;
-        let (_, c) = offers.into_iter().find(|(o, _)| o.target == target)?;
+        let target = routing.pick(strategy, &offers, rand::random())?;
+        let c = found.into_iter().find(|c| c.target == target)?;
         routing.picked_connection(c.target, c.connection);
         Some(c)
     }

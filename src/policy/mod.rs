@@ -205,6 +205,20 @@ pub struct Classification {
     pub rule: Option<String>,
 }
 
+/// A header map from (name, value) pairs, for the tests of the header parsers.
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+pub(crate) fn header_map(pairs: &[(&str, &str)]) -> http::HeaderMap {
+    let mut h = http::HeaderMap::new();
+    for (k, v) in pairs {
+        h.append(
+            http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+            http::HeaderValue::from_str(v).unwrap(),
+        );
+    }
+    h
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -160,21 +160,12 @@ fn whole_number(s: &str) -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::{HeaderName, HeaderValue};
     use proptest::prelude::*;
 
     const T0: Millis = 1_700_000_000_000;
 
-    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
-        let mut h = HeaderMap::new();
-        for (k, v) in pairs {
-            h.append(
-                HeaderName::from_bytes(k.as_bytes()).unwrap(),
-                HeaderValue::from_str(v).unwrap(),
-            );
-        }
-        h
-    }
+    use crate::policy::header_map as headers;
+    use http::HeaderValue;
 
     fn secs(s: f64) -> Option<Duration> {
         Some(Duration::from_secs_f64(s))

@@ -73,10 +73,15 @@ impl IdleSet {
         let before = out.len();
         self.by_peer.retain(|k, list| {
             if sweep || *k == key {
-                let (gone, kept): (Vec<Idle>, Vec<Idle>) =
-                    list.drain(..).partition(|i| i.expired(now));
-                out.extend(gone);
-                *list = kept;
+                // In place, oldest first (no allocation on the request path).
+                let mut i = 0;
+                while i < list.len() {
+                    if list[i].expired(now) {
+                        out.push(list.remove(i));
+                    } else {
+                        i += 1;
+                    }
+                }
             }
             !list.is_empty() || *k == key
         });

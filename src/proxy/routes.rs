@@ -46,7 +46,8 @@ impl Route {
             .find(|r| Route::from_request(r.method(), path) == Some(*r))
     }
 
-    const ALL: [Route; 8] = [
+    /// Every route, in the order `by_path` tries them.
+    pub const ALL: [Route; 8] = [
         Route::ChatCompletions,
         Route::Completions,
         Route::Embeddings,

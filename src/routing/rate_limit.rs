@@ -73,22 +73,12 @@ fn ceil_ms(d: Duration) -> Millis {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::{HeaderName, HeaderValue};
 
     const T0: Millis = 1_700_000_000_000;
     /// 2024-01-01T00:00:00Z.
     const NEW_YEAR_2024: Millis = 1_704_067_200_000;
 
-    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
-        let mut h = HeaderMap::new();
-        for (k, v) in pairs {
-            h.append(
-                HeaderName::from_bytes(k.as_bytes()).unwrap(),
-                HeaderValue::from_str(v).unwrap(),
-            );
-        }
-        h
-    }
+    use crate::policy::header_map as headers;
 
     #[test]
     fn openai_headers() {

@@ -17,6 +17,24 @@ pub mod verdict;
 
 use rand::Rng;
 
+/// The two upstream mocks of a run, `a` and `b`: `MOCK_CHUNKS` chunks 25 ms apart, one
+/// thread each.
+pub fn start_mocks() -> (crate::common::Mock, crate::common::Mock) {
+    let chunks = verdict::MOCK_CHUNKS.to_string();
+    let args = [
+        "--chunks",
+        chunks.as_str(),
+        "--chunk-interval",
+        "25ms",
+        "--threads",
+        "1",
+    ];
+    (
+        crate::common::Mock::start_named("a", &args),
+        crate::common::Mock::start_named("b", &args),
+    )
+}
+
 /// The two API families the runs exercise, one route each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Api {
