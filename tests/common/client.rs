@@ -212,6 +212,17 @@ pub fn try_open_stream(
     }
 }
 
+/// The size on a chunked body's size line (extensions after `;` ignored).
+pub fn chunk_size(line: &str) -> io::Result<usize> {
+    let size_text = line.split(';').next().unwrap_or("").trim();
+    usize::from_str_radix(size_text, 16).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("bad chunk size line {line:?}"),
+        )
+    })
+}
+
 fn read_line(r: &mut impl BufRead) -> io::Result<String> {
     let mut line = String::new();
     let n = r.read_line(&mut line)?;
@@ -340,14 +351,7 @@ impl StreamResponse {
                 Ok(Some(buf))
             }
             Framing::Chunked => {
-                let line = read_line(&mut self.reader)?;
-                let size_text = line.split(';').next().unwrap_or("").trim();
-                let size = usize::from_str_radix(size_text, 16).map_err(|_| {
-                    io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        format!("bad chunk size line {line:?}"),
-                    )
-                })?;
+                let size = chunk_size(&read_line(&mut self.reader)?)?;
                 if size == 0 {
                     // Trailers, then the blank line.
                     while !read_line(&mut self.reader)?.is_empty() {}

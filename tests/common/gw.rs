@@ -148,17 +148,7 @@ impl Gateway {
     }
 
     pub fn admin(&self, method: &str, path: &str, body: &str) -> Response {
-        let auth = format!("Bearer {ADMIN_TOKEN}");
-        request(
-            self.admin,
-            method,
-            path,
-            &[
-                ("authorization", &auth),
-                ("content-type", "application/json"),
-            ],
-            body.as_bytes(),
-        )
+        admin_request(self.admin, method, path, body)
     }
 
     pub fn admin_get(&self, path: &str) -> Response {
@@ -224,6 +214,21 @@ impl Gateway {
 
 /// `server:`, `admin:`, `state:` and `rules_dir:` sections for a test config on
 /// OS-chosen ports, with state and rules in the gateway's temp dir.
+/// One admin API call with the test admin token and a JSON body.
+pub fn admin_request(admin: SocketAddr, method: &str, path: &str, body: &str) -> Response {
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    request(
+        admin,
+        method,
+        path,
+        &[
+            ("authorization", &auth),
+            ("content-type", "application/json"),
+        ],
+        body.as_bytes(),
+    )
+}
+
 pub fn server_section(extra: &str) -> String {
     format!(
         "server:\n  listen: \"127.0.0.1:0\"\n  admin_listen: \"127.0.0.1:0\"\n  threads: 1\n{extra}\nadmin:\n  token_env: SLUICE_ADMIN_TOKEN\nstate:\n  path: \"@DIR@/state.redb\"\nrules_dir: \"@DIR@/rules\"\n"

@@ -396,14 +396,7 @@ impl Reader {
                 }
             }
             Framing::Chunked => loop {
-                let line = self.line()?;
-                let size_text = line.split(';').next().unwrap_or("").trim();
-                let size = usize::from_str_radix(size_text, 16).map_err(|_| {
-                    io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        format!("bad chunk size line {line:?}"),
-                    )
-                })?;
+                let size = crate::common::client::chunk_size(&self.line()?)?;
                 if size == 0 {
                     while !self.line()?.is_empty() {}
                     return Ok(());

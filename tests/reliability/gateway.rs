@@ -15,7 +15,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use crate::common::gw::{TempDir, ADMIN_TOKEN};
-use crate::common::{request, Response, STARTUP_TIMEOUT};
+use crate::common::{Response, STARTUP_TIMEOUT};
 
 pub struct Gw {
     child: Child,
@@ -72,17 +72,7 @@ impl Gw {
     }
 
     pub fn admin(&self, method: &str, path: &str, body: &str) -> Response {
-        let auth = format!("Bearer {ADMIN_TOKEN}");
-        request(
-            self.admin,
-            method,
-            path,
-            &[
-                ("authorization", &auth),
-                ("content-type", "application/json"),
-            ],
-            body.as_bytes(),
-        )
+        crate::common::gw::admin_request(self.admin, method, path, body)
     }
 
     /// The cooldown row of `provider/connection` from `GET /api/resilience/cooldowns`.
