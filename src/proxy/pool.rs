@@ -14,8 +14,8 @@
 //! nobody asked for: dropped), is younger than its idle timeout, and is reported as
 //! reused, so the attempt's stale-connection retry covers it; at most
 //! [`IDLE_PER_PEER`] idle connections per peer, the oldest dropped first. Expired ones
-//! are dropped whenever their peer's list is touched, so a peer that goes quiet keeps at
-//! most that many sockets until its next request.
+//! are dropped whenever their peer's list is touched, and a sweeper task (started by the
+//! first release) closes expired and upstream-closed ones everywhere every 10 s.
 
 use crate::engine::state::lock;
 use async_trait::async_trait;
@@ -29,6 +29,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -37,8 +38,9 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 /// Idle connections kept per peer.
 pub const IDLE_PER_PEER: usize = 128;
 
-/// Every list is swept this often (expired and emptied ones dropped), so peers that went
-/// quiet — a provider removed by a reload, an address DNS no longer gives — keep nothing.
+/// Every list is swept this often (expired and closed connections dropped, emptied peers
+/// forgotten), so a peer that went quiet — no more traffic, a provider removed by a
+/// reload, an address DNS no longer gives — keeps no socket past its idle timeout.
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
 
 struct Idle {
@@ -59,40 +61,70 @@ struct IdleSet {
     total: usize,
     /// At most this many over all peers (the connector's `keepalive_pool_size`).
     cap: usize,
-    swept: Instant,
 }
 
 impl IdleSet {
-    /// Moves the expired connections of `key` (every key when a sweep is due) to `out`,
-    /// to be closed once the lock is released.
+    /// Moves the expired connections of `key` to `out`, to be closed once the lock is
+    /// released.
     fn expire(&mut self, key: u64, now: Instant, out: &mut Vec<Idle>) {
-        let sweep = now.saturating_duration_since(self.swept) >= SWEEP_EVERY;
-        if sweep {
-            self.swept = now;
+        if let Some(list) = self.by_peer.get_mut(&key) {
+            let before = out.len();
+            take_out(list, out, |i| i.expired(now));
+            self.total -= out.len() - before;
         }
+    }
+
+    /// Moves every expired or closed connection to `out` and forgets emptied peers.
+    fn sweep(&mut self, now: Instant, out: &mut Vec<Idle>) {
         let before = out.len();
-        self.by_peer.retain(|k, list| {
-            if sweep || *k == key {
-                // In place, oldest first (no allocation on the request path).
-                let mut i = 0;
-                while i < list.len() {
-                    if list[i].expired(now) {
-                        out.push(list.remove(i));
-                    } else {
-                        i += 1;
-                    }
-                }
-            }
-            !list.is_empty() || *k == key
+        self.by_peer.retain(|_, list| {
+            take_out(list, out, |i| i.expired(now) || !still_open(&mut i.stream));
+            !list.is_empty()
         });
         self.total -= out.len() - before;
     }
 }
 
+/// Moves the entries of `list` that `gone` picks to `out`, keeping the order of the rest
+/// (in place: no allocation on the request path).
+fn take_out(list: &mut Vec<Idle>, out: &mut Vec<Idle>, mut gone: impl FnMut(&mut Idle) -> bool) {
+    let mut i = 0;
+    while i < list.len() {
+        if gone(&mut list[i]) {
+            out.push(list.remove(i));
+        } else {
+            i += 1;
+        }
+    }
+}
+
+/// Every `SWEEP_EVERY`, until the pool is dropped: closes what expired or what the
+/// upstream closed, on every peer, so a peer that went quiet keeps no socket.
+fn spawn_sweeper(idle: &Arc<Mutex<IdleSet>>) -> bool {
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return false;
+    };
+    let idle = Arc::downgrade(idle);
+    rt.spawn(async move {
+        loop {
+            tokio::time::sleep(SWEEP_EVERY).await;
+            let Some(idle) = idle.upgrade() else {
+                return;
+            };
+            let mut closed = Vec::new();
+            lock(&idle).sweep(crate::clock::monotonic(), &mut closed);
+            drop(closed);
+        }
+    });
+    true
+}
+
 /// Connects to upstreams and keeps their idle HTTP/1.1 connections.
 pub struct Upstreams {
     transport: TransportConnector,
-    idle: Mutex<IdleSet>,
+    idle: Arc<Mutex<IdleSet>>,
+    /// The sweeper task runs (started with the first release, on its runtime).
+    sweeping: AtomicBool,
 }
 
 impl Upstreams {
@@ -100,12 +132,12 @@ impl Upstreams {
         let cap = options.keepalive_pool_size;
         Self {
             transport: TransportConnector::new(Some(options)),
-            idle: Mutex::new(IdleSet {
+            idle: Arc::new(Mutex::new(IdleSet {
                 by_peer: HashMap::new(),
                 total: 0,
                 cap,
-                swept: crate::clock::monotonic(),
-            }),
+            })),
+            sweeping: AtomicBool::new(false),
         }
     }
 
@@ -157,6 +189,9 @@ impl Upstreams {
         let Some(stream) = h1.reuse().await else {
             return;
         };
+        if !self.sweeping.swap(true, Ordering::AcqRel) && !spawn_sweeper(&self.idle) {
+            self.sweeping.store(false, Ordering::Release);
+        }
         let now = crate::clock::monotonic();
         let key = peer.reuse_hash();
         let mut closed = Vec::new();
@@ -434,6 +469,37 @@ mod tests {
         let mut b = [0u8; 2];
         s3.read_exact(&mut b).await.unwrap();
         assert_eq!(&b, b"hi");
+    }
+
+    #[tokio::test]
+    async fn a_sweep_closes_expired_and_closed_connections_of_every_peer() {
+        let pool = Upstreams::new(ConnectorOptions::new(8));
+        let now = crate::clock::monotonic();
+        let (expired, _s1) = pair().await;
+        let (closed, s2) = pair().await;
+        let (good, _s3) = pair().await;
+        drop(s2);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let idle = |stream, timeout| Idle {
+            stream,
+            since: now,
+            timeout,
+        };
+        let long = Duration::from_secs(60);
+        let mut set = lock(&pool.idle);
+        set.by_peer.insert(1, vec![idle(expired, Duration::ZERO)]);
+        set.by_peer
+            .insert(2, vec![idle(closed, long), idle(good, long)]);
+        set.total = 3;
+        let mut out = Vec::new();
+        set.sweep(now, &mut out);
+        assert_eq!(out.len(), 2, "the expired and the closed one");
+        assert_eq!(set.total, 1);
+        assert!(
+            !set.by_peer.contains_key(&1),
+            "an emptied peer is forgotten"
+        );
+        assert_eq!(set.by_peer[&2].len(), 1);
     }
 
     /// A stream below that keeps written bytes until it is flushed, as TLS does.
