@@ -11,6 +11,7 @@ use crate::engine::reload::{self, prepare, Prepared};
 use crate::engine::Engine;
 use crate::error::StartupError;
 use crate::metrics::Metrics;
+use crate::proxy::access::AccessLog;
 use crate::proxy::Gateway;
 use crate::server::frontdoor::{file_limit, ClientLimits, FrontDoor};
 use crate::server::listener::TcpAppService;
@@ -206,7 +207,11 @@ fn secret_env_names(text: &str) -> std::collections::BTreeSet<String> {
 
 /// `sluice run`: binds both listeners, prints `LISTENING <name> <addr>` for each, and
 /// serves until a signal stops the process.
-pub fn run(path: &Path, reset_state: bool) -> Result<(), StartupError> {
+pub fn run(
+    path: &Path,
+    reset_state: bool,
+    logs: Option<crate::logging::Background>,
+) -> Result<(), StartupError> {
     let render = |problems: Vec<crate::config::Problem>| {
         StartupError::Config(
             problems
@@ -273,7 +278,8 @@ pub fn run(path: &Path, reset_state: bool) -> Result<(), StartupError> {
     })?;
 
     let conf = Arc::new(server_conf(threads));
-    let proxy = pingora::proxy::http_proxy(&conf, Gateway::new(engine.clone()));
+    let access = AccessLog::new(config_server.access_log, logs);
+    let proxy = pingora::proxy::http_proxy(&conf, Gateway::new(engine.clone(), access));
     let srv = &config_server;
     let limits = ClientLimits {
         header_timeout: srv.client_header_timeout,

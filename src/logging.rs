@@ -41,6 +41,16 @@ pub struct Background {
 }
 
 impl Background {
+    /// Queues one complete line (ending in `\n`) without blocking: when the writer is
+    /// behind, the line is dropped and counted.
+    pub fn send(&self, line: Vec<u8>) {
+        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) =
+            self.tx.try_send(Msg::Line(line))
+        {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// Waits (at most `limit`) until every line queued so far is written: used before
     /// the process exits, which would otherwise lose the last lines.
     pub fn flush(&self, limit: Duration) {
@@ -72,12 +82,7 @@ impl Drop for Line {
         if self.buf.is_empty() {
             return;
         }
-        let buf = std::mem::take(&mut self.buf);
-        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) =
-            self.bg.tx.try_send(Msg::Line(buf))
-        {
-            self.bg.dropped.fetch_add(1, Ordering::Relaxed);
-        }
+        self.bg.send(std::mem::take(&mut self.buf));
     }
 }
 

@@ -46,7 +46,7 @@ fn main() {
             reset_state,
         } => {
             let logs = init_logging();
-            let code = match sluice::cli::run(&config, reset_state) {
+            let code = match sluice::cli::run(&config, reset_state, logs.clone()) {
                 Ok(()) => 0,
                 Err(e) => {
                     eprintln!("sluice: {e}");

@@ -22,6 +22,13 @@ pub struct RawServer {
     pub client_body_timeout: Option<String>,
     pub keepalive_timeout: Option<String>,
     pub max_client_connections: Option<usize>,
+    pub access_log: Option<RawAccessLog>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAccessLog {
+    pub format: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -139,6 +139,26 @@ impl BaseUrl {
     }
 }
 
+/// `server.access_log.format`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum AccessFormat {
+    #[default]
+    Text,
+    Json,
+    Off,
+}
+
+impl AccessFormat {
+    pub fn parse(s: &str) -> Option<AccessFormat> {
+        match s {
+            "text" => Some(AccessFormat::Text),
+            "json" => Some(AccessFormat::Json),
+            "off" => Some(AccessFormat::Off),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
     pub listen: String,
@@ -155,6 +175,7 @@ pub struct ServerConfig {
     pub keepalive_timeout: Duration,
     /// Client connections served at once; 0 = derived from the file limit at startup.
     pub max_client_connections: usize,
+    pub access_log: AccessFormat,
 }
 
 #[derive(Clone, Debug)]

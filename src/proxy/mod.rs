@@ -8,10 +8,12 @@
 //! metrics and the access log line. Hooks stay thin; the decisions live in
 //! `policy::failover`, `engine` and `routing`.
 
+pub mod access;
 pub mod admit;
 pub mod attempt;
 pub mod body;
 pub mod ctx;
+pub mod finish;
 pub mod framing;
 pub mod leases;
 pub mod pipeline;
@@ -29,6 +31,7 @@ use crate::codes::ErrorCode;
 use crate::config::Family;
 use crate::engine::Engine;
 use crate::error::ClientError;
+use access::AccessLog;
 use async_trait::async_trait;
 use ctx::Request;
 pub use ctx::RequestCtx;
@@ -41,11 +44,12 @@ use std::sync::Arc;
 /// The client-facing gateway service.
 pub struct Gateway {
     pub engine: Arc<Engine>,
+    access: AccessLog,
 }
 
 impl Gateway {
-    pub fn new(engine: Arc<Engine>) -> Self {
-        Self { engine }
+    pub fn new(engine: Arc<Engine>, access: AccessLog) -> Self {
+        Self { engine, access }
     }
 
     async fn reject(
@@ -222,49 +226,10 @@ impl ProxyHttp for Gateway {
 
     async fn logging(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         e: Option<&pingora::Error>,
         ctx: &mut RequestCtx,
     ) {
-        let m = &self.engine.metrics;
-        let route = ctx.route.map(Route::label).unwrap_or("unmatched");
-        let status = if ctx.status == 0 && e.is_some() {
-            499
-        } else {
-            ctx.status
-        };
-        m.requests_total
-            .with_label_values(&[route, ctx.model_label.as_str(), &status.to_string()])
-            .inc();
-        let elapsed = ctx.started.elapsed();
-        if ctx.route.is_some_and(|r| r != Route::Models) && ctx.model_label != "unknown" {
-            m.request_duration_seconds
-                .with_label_values(&[ctx.model_label.as_str()])
-                .observe(elapsed.as_secs_f64());
-            if let Some(t) = ctx.ttfb {
-                m.ttfb_seconds
-                    .with_label_values(&[ctx.model_label.as_str()])
-                    .observe(t.as_secs_f64());
-            }
-        }
-        let (provider, connection, upstream_model) = ctx.pick.clone().unwrap_or_default();
-        let failed: Vec<String> = ctx.records.iter().map(|a| a.summary()).collect();
-        tracing::info!(
-            target: "sluice::access",
-            route,
-            model = %ctx.model_label,
-            client = ctx.client_id.as_deref().unwrap_or("-"),
-            status,
-            attempts = ctx.attempts,
-            provider = %provider,
-            connection = %connection,
-            upstream_model = %upstream_model,
-            failed = %failed.join(","),
-            note = ctx.note.unwrap_or(""),
-            ttfb_ms = ctx.ttfb.map(|t| t.as_millis() as u64).unwrap_or(0),
-            duration_ms = elapsed.as_millis() as u64,
-            error = e.map(|e| e.etype().as_str()).unwrap_or(""),
-            "request"
-        );
+        finish::record(&self.engine, &self.access, session, e, ctx);
     }
 }

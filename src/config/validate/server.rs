@@ -3,7 +3,7 @@
 
 use super::Validator;
 use crate::config::raw::RawServer;
-use crate::config::types::ServerConfig;
+use crate::config::types::{AccessFormat, ServerConfig};
 use crate::config::units::parse_size;
 use serde_yaml::{Mapping, Value};
 use std::time::Duration;
@@ -74,6 +74,16 @@ impl Validator<'_> {
                 "must be at most 1000000 (0 = derived from the file limit)",
             );
         }
+        let access_log = match raw.access_log.and_then(|a| a.format) {
+            None => AccessFormat::Text,
+            Some(f) => AccessFormat::parse(&f).unwrap_or_else(|| {
+                self.err(
+                    "server.access_log.format",
+                    format!("{f:?} is not one of text, json, off"),
+                );
+                AccessFormat::Text
+            }),
+        };
         ServerConfig {
             listen,
             admin_listen,
@@ -84,6 +94,7 @@ impl Validator<'_> {
             client_body_timeout,
             keepalive_timeout,
             max_client_connections,
+            access_log,
         }
     }
 }
@@ -91,6 +102,7 @@ impl Validator<'_> {
 #[cfg(test)]
 mod tests {
     use crate::config::parse_str;
+    use crate::config::AccessFormat;
     use std::path::Path;
 
     fn threads(server: &str) -> usize {
@@ -108,5 +120,38 @@ mod tests {
         assert_eq!(threads(""), cores);
         assert_eq!(threads("server:\n  threads: 0\n"), cores);
         assert_eq!(threads("server:\n  threads: 3\n"), 3);
+    }
+
+    #[test]
+    fn access_log_format_is_checked_with_its_path() {
+        let base = "providers:\n  - id: p\n    base_url: \"http://127.0.0.1:9\"\n    api: openai\n    connections: [ { id: c } ]\nmodels:\n  - name: m\n    targets: [ { provider: p, model: u } ]\n";
+        let parse = |server: &str| {
+            parse_str(
+                &format!("{server}{base}"),
+                "t.yaml",
+                Path::new("."),
+                &|_| None,
+            )
+        };
+        let format = |server: &str| parse(server).expect("valid").config.server.access_log;
+        assert_eq!(format(""), AccessFormat::Text);
+        assert_eq!(
+            format("server:\n  access_log: { format: json }\n"),
+            AccessFormat::Json
+        );
+        assert_eq!(
+            format("server:\n  access_log: { format: off }\n"),
+            AccessFormat::Off
+        );
+        let problems = match parse("server:\n  access_log: { format: xml }\n") {
+            Err(p) => p,
+            Ok(_) => panic!("xml accepted"),
+        };
+        let text: Vec<String> = problems.iter().map(|p| p.to_string()).collect();
+        assert!(
+            text.iter().any(|p| p.contains("server.access_log.format")
+                && p.contains("\"xml\" is not one of text, json, off")),
+            "{text:?}"
+        );
     }
 }

@@ -1,0 +1,104 @@
+//! The finish phase (SPEC §2 step 6) as Pingora's `logging` hook runs it: exactly once
+//! per request, the request counters and latency histograms, then the access line.
+//!
+//! It only reads what the request left in its `RequestCtx` and the session; it never
+//! changes routing state (the pipeline records outcomes as attempts end), so a request
+//! that dies anywhere — rejected at admission, cut mid-stream, dropped by the client —
+//! is counted and logged the same way.
+
+use super::access::{AccessLog, Entry};
+use super::routes::Route;
+use super::RequestCtx;
+use crate::engine::Engine;
+use pingora::proxy::Session;
+
+/// Records `ctx`'s request in the metrics and writes its access line.
+pub fn record(
+    engine: &Engine,
+    log: &AccessLog,
+    session: &Session,
+    e: Option<&pingora::Error>,
+    ctx: &RequestCtx,
+) {
+    let m = &engine.metrics;
+    let route = ctx.route.map(Route::label).unwrap_or("unmatched");
+    // Nothing was answered and the request failed: the client went away (nginx's 499).
+    let status = if ctx.status == 0 && e.is_some() {
+        499
+    } else {
+        ctx.status
+    };
+    let mut code = [0u8; 3];
+    m.requests_total
+        .with_label_values(&[
+            route,
+            ctx.model_label.as_str(),
+            status_label(status, &mut code),
+        ])
+        .inc();
+    let elapsed = ctx.started.elapsed();
+    if ctx.route.is_some_and(|r| r != Route::Models) && ctx.model_label != "unknown" {
+        m.request_duration_seconds
+            .with_label_values(&[ctx.model_label.as_str()])
+            .observe(elapsed.as_secs_f64());
+        if let Some(t) = ctx.ttfb {
+            m.ttfb_seconds
+                .with_label_values(&[ctx.model_label.as_str()])
+                .observe(t.as_secs_f64());
+        }
+    }
+    if !log.enabled() {
+        return;
+    }
+    let req = session.req_header();
+    let (provider, connection, upstream_model) = match &ctx.pick {
+        Some((p, c, m)) => (p.as_str(), c.as_str(), m.as_str()),
+        None => ("", "", ""),
+    };
+    log.write(&Entry {
+        at: engine.now(),
+        method: req.method.as_str(),
+        path: req.uri.path(),
+        route,
+        client: ctx.client_id.as_deref(),
+        model: &ctx.model_label,
+        status,
+        attempts: ctx.attempts,
+        provider,
+        connection,
+        upstream_model,
+        failed: &ctx.records,
+        note: ctx.note,
+        ttfb_ms: ctx.ttfb.map(|t| t.as_millis() as u64),
+        duration_ms: elapsed.as_millis() as u64,
+        bytes_out: session.body_bytes_sent(),
+        error: e.map(|e| e.etype().as_str()),
+    });
+}
+
+/// A status code's three digits without allocating (statuses are 100–999; anything
+/// else, which Sluice never sets, is labelled by its own digits through a fallback).
+fn status_label(status: u16, buf: &mut [u8; 3]) -> &str {
+    if !(100..=999).contains(&status) {
+        return if status == 0 { "0" } else { "other" };
+    }
+    buf[0] = b'0' + (status / 100) as u8;
+    buf[1] = b'0' + (status / 10 % 10) as u8;
+    buf[2] = b'0' + (status % 10) as u8;
+    std::str::from_utf8(buf).unwrap_or("other")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::status_label;
+
+    #[test]
+    fn status_labels_are_the_codes_digits() {
+        let mut b = [0; 3];
+        assert_eq!(status_label(200, &mut b), "200");
+        assert_eq!(status_label(499, &mut b), "499");
+        assert_eq!(status_label(503, &mut b), "503");
+        assert_eq!(status_label(0, &mut b), "0");
+        assert_eq!(status_label(1000, &mut b), "other");
+    }
+}
