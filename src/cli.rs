@@ -13,12 +13,13 @@ use crate::error::StartupError;
 use crate::metrics::Metrics;
 use crate::proxy::access::AccessLog;
 use crate::proxy::Gateway;
-use crate::server::frontdoor::{file_limit, ClientLimits, FrontDoor};
+use crate::server::frontdoor::{file_limit, listen, ClientLimits, FrontDoor};
+use crate::server::handover::{Listeners, StopSignals};
 use crate::server::listener::TcpAppService;
 use crate::store::{Change, RedbStore, StateStore, StoreWriter, Table};
 use clap::{Parser, Subcommand};
 use pingora::server::configuration::ServerConf;
-use pingora::server::Server;
+use pingora::server::{RunArgs, Server};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -45,6 +46,10 @@ pub enum Command {
         /// start with empty state.
         #[arg(long)]
         reset_state: bool,
+        /// Take the listening sockets over from the running process (which then gets
+        /// `SIGQUIT`), through `server.upgrade_sock` (SPEC §8.1).
+        #[arg(long)]
+        upgrade: bool,
     },
     /// Validate the config and print every problem with its field path.
     Check {
@@ -205,11 +210,13 @@ fn secret_env_names(text: &str) -> std::collections::BTreeSet<String> {
     out
 }
 
-/// `sluice run`: binds both listeners, prints `LISTENING <name> <addr>` for each, and
-/// serves until a signal stops the process.
+/// `sluice run`: binds both listeners (or, with `upgrade`, takes them over from the
+/// running process), prints `LISTENING <name> <addr>` for each, and serves until a stop
+/// signal has drained the process (SPEC §8.1).
 pub fn run(
     path: &Path,
     reset_state: bool,
+    upgrade: bool,
     logs: Option<crate::logging::Background>,
 ) -> Result<(), StartupError> {
     let render = |problems: Vec<crate::config::Problem>| {
@@ -227,14 +234,19 @@ pub fn run(
         tracing::warn!("{w}");
     }
     let config = &first.snapshot.config;
-    let config_server = config.server.clone();
-    let threads = config.server.threads;
-    let listen = config.server.listen.clone();
-    let admin_listen = config.server.admin_listen.clone();
-    let store: Arc<dyn StateStore> = Arc::new(
-        RedbStore::open(&config.state_path, reset_state)
-            .map_err(|e| StartupError::Store(e.to_string()))?,
-    );
+    let srv = config.server.clone();
+    let threads = srv.threads;
+    let mut listeners = if upgrade {
+        tracing::info!(sock = %srv.upgrade_sock, "upgrade: waiting for the running process's sockets");
+        Listeners::inherit(&srv.upgrade_sock).map_err(|source| StartupError::Listen {
+            addr: srv.upgrade_sock.clone(),
+            source,
+        })?
+    } else {
+        Listeners::default()
+    };
+    let state_path = config.state_path.clone();
+    let store: Arc<dyn StateStore> = Arc::new(open_store(&state_path, reset_state, upgrade)?);
     let image = store
         .load()
         .map_err(|e| StartupError::Store(e.to_string()))?;
@@ -264,7 +276,7 @@ pub fn run(
     let engine = Engine::new(
         snapshot,
         metrics,
-        Some(writer),
+        Some(writer.clone()),
         Arc::new(SystemClock),
         Some(path.to_path_buf()),
     );
@@ -272,15 +284,17 @@ pub fn run(
     let restored = engine.tables.restore(&image, engine.now());
     let (pins, leases) = engine.restore_sessions(&image);
     tracing::info!(restored, pins, leases, "state loaded");
+    let outbox = crate::store::handover::dir_for(&state_path);
+    // What a predecessor forwarded while it drained (and what is left from one).
+    spawn_inbox(engine.clone(), outbox.clone(), srv.drain_timeout);
     reload::spawn_watcher(engine.clone()).map_err(|source| StartupError::Listen {
         addr: "reload watcher".into(),
         source,
     })?;
 
     let conf = Arc::new(server_conf(threads));
-    let access = AccessLog::new(config_server.access_log, logs);
+    let access = AccessLog::new(srv.access_log, logs);
     let proxy = pingora::proxy::http_proxy(&conf, Gateway::new(engine.clone(), access));
-    let srv = &config_server;
     let limits = ClientLimits {
         header_timeout: srv.client_header_timeout,
         body_timeout: srv.client_body_timeout,
@@ -291,46 +305,119 @@ pub fn run(
         max_client_connections = limits.max_connections,
         "client connection limits set"
     );
-    let (client_svc, client_addr) =
-        FrontDoor::bind("sluice-client", &listen, proxy, limits, Some(threads)).map_err(
-            |source| StartupError::Listen {
-                addr: listen.clone(),
-                source,
-            },
-        )?;
-    let (admin_svc, admin_addr) = TcpAppService::bind(
+    let listen_err = |addr: &str| {
+        let addr = addr.to_owned();
+        move |source| StartupError::Listen { addr, source }
+    };
+    let client_sock = listeners
+        .tcp("client", &srv.listen, listen)
+        .map_err(listen_err(&srv.listen))?;
+    let client_addr = client_sock.local_addr().map_err(listen_err(&srv.listen))?;
+    let client_svc = FrontDoor::new(
+        "sluice-client",
+        client_sock,
+        proxy,
+        limits,
+        Some(threads),
+        engine.lifecycle.clone(),
+    );
+    let admin_sock = listeners
+        .tcp("admin", &srv.admin_listen, |a| {
+            std::net::TcpListener::bind(a)
+        })
+        .map_err(listen_err(&srv.admin_listen))?;
+    let (admin_svc, admin_addr) = TcpAppService::from_listener(
         "sluice-admin",
-        &admin_listen,
-        AdminApp::new(engine),
+        admin_sock,
+        AdminApp::new(engine.clone()),
         Some(1),
     )
-    .map_err(|source| StartupError::Listen {
-        addr: admin_listen.clone(),
-        source,
-    })?;
+    .map_err(listen_err(&srv.admin_listen))?;
+    for addr in listeners.close_unclaimed() {
+        tracing::warn!(%addr, "upgrade: closed an inherited listener the config no longer has");
+    }
     {
         let mut out = std::io::stdout().lock();
         let _ = writeln!(out, "LISTENING client {client_addr}");
         let _ = writeln!(out, "LISTENING admin {admin_addr}");
         let _ = out.flush();
     }
-    tracing::info!(%client_addr, %admin_addr, "sluice listening");
+    tracing::info!(%client_addr, %admin_addr, upgrade, "sluice listening");
+    crate::server::notify::ready();
+    let signals = StopSignals {
+        life: engine.lifecycle.clone(),
+        drain_timeout: srv.drain_timeout,
+        upgrade_sock: srv.upgrade_sock.clone(),
+        listeners: Arc::new(std::sync::Mutex::new(listeners)),
+        store: Some(writer),
+        outbox,
+    };
     let mut server = Server::new_with_opt_and_conf(None, server_conf(threads));
     server.bootstrap();
     server.add_service(client_svc);
     server.add_service(admin_svc);
-    server.run_forever()
+    server.run(RunArgs {
+        shutdown_signal: Box::new(signals),
+    });
+    Ok(())
 }
 
-/// Pingora's process settings: per-process pid/upgrade paths so several gateways (tests,
-/// benchmarks) can run side by side, and a short grace period on SIGTERM.
+/// How long an upgrading process waits for its predecessor to release the store.
+const STORE_WAIT: Duration = Duration::from_secs(30);
+
+/// Opens the redb store; an upgrading process retries while the old one still holds it
+/// (it releases the file right after handing over the sockets).
+fn open_store(path: &Path, reset: bool, upgrade: bool) -> Result<RedbStore, StartupError> {
+    let started = crate::clock::monotonic();
+    loop {
+        match RedbStore::open(path, reset) {
+            Ok(s) => return Ok(s),
+            Err(e) if upgrade && started.elapsed() < STORE_WAIT => {
+                tracing::debug!(error = %e, "upgrade: the state store is still held, retrying");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            Err(e) => return Err(StartupError::Store(e.to_string())),
+        }
+    }
+}
+
+/// Polls the handover directory for batches a draining predecessor forwards, for as
+/// long as its drain may last (plus a minute), and applies them.
+fn spawn_inbox(engine: Arc<Engine>, dir: PathBuf, drain_timeout: Duration) {
+    let until = drain_timeout + Duration::from_secs(60);
+    let started = crate::clock::monotonic();
+    let spawned = std::thread::Builder::new()
+        .name("sluice-handover".into())
+        .spawn(move || loop {
+            for batch in crate::store::handover::take_inbox(&dir) {
+                let changes = batch.len();
+                let in_memory = engine.absorb_forwarded(batch);
+                tracing::info!(
+                    changes,
+                    in_memory,
+                    "state handover: applied a batch from the previous process"
+                );
+            }
+            if started.elapsed() >= until {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "state handover: cannot watch for forwarded changes");
+    }
+}
+
+/// Pingora's process settings. The drain is Sluice's own (`StopSignals`), so Pingora's
+/// grace period is zero; the pid file is per process so several gateways (tests,
+/// benchmarks) can run side by side.
 fn server_conf(threads: usize) -> ServerConf {
     let tmp = std::env::temp_dir();
     let pid = std::process::id();
     ServerConf {
         threads,
-        grace_period_seconds: Some(5),
-        graceful_shutdown_timeout_seconds: Some(5),
+        grace_period_seconds: Some(0),
+        graceful_shutdown_timeout_seconds: Some(1),
         pid_file: tmp
             .join(format!("sluice-{pid}.pid"))
             .to_string_lossy()

@@ -173,15 +173,18 @@ pub enum AbortReason {
     UpstreamError,
     /// The client went away.
     ClientGone,
+    /// The gateway's drain deadline passed while the stream was open (SPEC §8.1).
+    Shutdown,
 }
 
 impl AbortReason {
-    pub const ALL: [AbortReason; 5] = [
+    pub const ALL: [AbortReason; 6] = [
         AbortReason::Stall,
         AbortReason::Throughput,
         AbortReason::ExecutionTimeout,
         AbortReason::UpstreamError,
         AbortReason::ClientGone,
+        AbortReason::Shutdown,
     ];
 
     /// Metric label (`stream_aborts_total{reason}`) and the error event's `code`.
@@ -192,6 +195,7 @@ impl AbortReason {
             AbortReason::ExecutionTimeout => "execution_timeout",
             AbortReason::UpstreamError => "upstream_error",
             AbortReason::ClientGone => "client_gone",
+            AbortReason::Shutdown => "shutdown",
         }
     }
 
@@ -203,6 +207,7 @@ impl AbortReason {
             AbortReason::ExecutionTimeout => "the execution deadline passed mid-stream",
             AbortReason::UpstreamError => "the upstream connection failed mid-response",
             AbortReason::ClientGone => "the client went away",
+            AbortReason::Shutdown => "the gateway is shutting down",
         }
     }
 

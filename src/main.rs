@@ -44,9 +44,10 @@ fn main() {
         Command::Run {
             config,
             reset_state,
+            upgrade,
         } => {
             let logs = init_logging();
-            let code = match sluice::cli::run(&config, reset_state, logs.clone()) {
+            let code = match sluice::cli::run(&config, reset_state, upgrade, logs.clone()) {
                 Ok(()) => 0,
                 Err(e) => {
                     eprintln!("sluice: {e}");

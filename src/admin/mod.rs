@@ -140,6 +140,9 @@ fn readiness(engine: &Engine) -> (bool, Value) {
     let snap = engine.snapshot();
     let last = engine.reload.status();
     let mut reasons: Vec<String> = Vec::new();
+    if engine.lifecycle.is_draining() {
+        reasons.push("draining: the process is shutting down or handing over".into());
+    }
     let store = match &engine.store {
         None => json!({"state": "memory"}),
         Some(w) => {
@@ -162,6 +165,7 @@ fn readiness(engine: &Engine) -> (bool, Value) {
     let ready = reasons.is_empty();
     let details = json!({
         "ready": ready,
+        "draining": engine.lifecycle.is_draining(),
         "reasons": reasons,
         "config": {
             "generation": snap.generation,

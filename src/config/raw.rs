@@ -23,6 +23,8 @@ pub struct RawServer {
     pub keepalive_timeout: Option<String>,
     pub max_client_connections: Option<usize>,
     pub access_log: Option<RawAccessLog>,
+    pub drain_timeout: Option<String>,
+    pub upgrade_sock: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

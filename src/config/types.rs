@@ -176,6 +176,10 @@ pub struct ServerConfig {
     /// Client connections served at once; 0 = derived from the file limit at startup.
     pub max_client_connections: usize,
     pub access_log: AccessFormat,
+    /// How long requests in flight may finish after a stop or upgrade signal.
+    pub drain_timeout: Duration,
+    /// The unix socket an upgrading process receives the listeners on (SPEC §8.1).
+    pub upgrade_sock: String,
 }
 
 #[derive(Clone, Debug)]

@@ -7,6 +7,7 @@
 //! Locks are small and synchronous, never held across an `.await`; no request waits on
 //! the store except for the terminal states SPEC §7 requires to be durable first.
 
+pub mod handover;
 pub mod judge;
 pub mod permits;
 pub mod record;
@@ -388,6 +389,8 @@ pub struct Engine {
     pub signals: Mutex<HashMap<String, Signals>>,
     /// Runtime setting overrides (PATCH /api/resilience), persisted.
     pub overrides: Mutex<std::collections::BTreeMap<String, Value>>,
+    /// Drain state and the requests in flight (SPEC §8.1).
+    pub lifecycle: Arc<crate::server::lifecycle::Lifecycle>,
 }
 
 impl Engine {
@@ -414,6 +417,7 @@ impl Engine {
             leases: Mutex::new(LeaseTable::default()),
             pins: Mutex::new(PinTable::default()),
             signals: Mutex::new(HashMap::new()),
+            lifecycle: crate::server::lifecycle::Lifecycle::new(),
             overrides: Mutex::new(Default::default()),
         })
     }

@@ -49,6 +49,8 @@ pub struct RequestCtx {
     /// The client connection is being cut on purpose (a body that failed after the
     /// commit point must not be framed as complete): nothing more may be written.
     pub cut: bool,
+    /// Counts the request as in flight for the drain until the context is dropped.
+    pub active: Option<crate::server::lifecycle::Active>,
 }
 
 impl RequestCtx {
@@ -65,6 +67,7 @@ impl RequestCtx {
             records: Vec::new(),
             note: None,
             cut: false,
+            active: None,
         }
     }
 

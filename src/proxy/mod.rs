@@ -112,7 +112,9 @@ impl ProxyHttp for Gateway {
     type CTX = RequestCtx;
 
     fn new_ctx(&self) -> RequestCtx {
-        RequestCtx::new(monotonic())
+        let mut ctx = RequestCtx::new(monotonic());
+        ctx.active = Some(self.engine.lifecycle.enter());
+        ctx
     }
 
     /// The header is in: the connection's header guard stands down for this request.

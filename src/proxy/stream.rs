@@ -21,6 +21,7 @@ use super::watch::{ClientWatch, Wait};
 use crate::clock::monotonic;
 use crate::codes::AbortReason;
 use crate::policy::watchdog::{classify_event, ThroughputWatchdog, WatchdogConfig};
+use crate::server::lifecycle::until_set;
 use crate::sse::{SseAssembler, SseEvent, SseProgress};
 use bytes::Bytes;
 use pingora::proxy::Session;
@@ -97,6 +98,7 @@ impl<'r, 'a> Pump<'r, 'a> {
         first: Bytes,
     ) -> StreamEnd {
         let stall = self.req.snap.config.resilience.stream.stall_timeout;
+        let mut stopping = self.req.engine.lifecycle.stopping();
         let mut next = Some(first);
         loop {
             if let Some(chunk) = next.take() {
@@ -108,7 +110,20 @@ impl<'r, 'a> Pump<'r, 'a> {
             let limit = (self.last_progress + stall)
                 .min(self.deadline)
                 .saturating_duration_since(now);
-            match watch.race(session, limit, up.read_response_body()).await {
+            let read = async {
+                tokio::select! {
+                    biased;
+                    r = up.read_response_body() => Some(r),
+                    _ = until_set(&mut stopping) => None,
+                }
+            };
+            let got = match watch.race(session, limit, read).await {
+                Wait::Ready(None) => return self.fail(session, AbortReason::Shutdown).await,
+                Wait::Ready(Some(r)) => Wait::Ready(r),
+                Wait::TimedOut => Wait::TimedOut,
+                Wait::ClientGone => Wait::ClientGone,
+            };
+            match got {
                 Wait::Ready(Ok(Some(c))) => next = Some(c),
                 Wait::Ready(Ok(None)) if self.is_sse && self.boundary.is_mid_event() => {
                     // The upstream closed inside an event: not a complete stream.

@@ -20,6 +20,7 @@
 //! listed in the server's fd table.
 
 use super::client_stream::ClientStream;
+use super::lifecycle::{until_set, Active, Lifecycle};
 use async_trait::async_trait;
 use pingora::apps::HttpServerApp;
 use pingora::protocols::http::ServerSession;
@@ -28,10 +29,9 @@ use pingora::protocols::Stream;
 use pingora::server::{ListenFds, ShutdownWatch};
 use pingora::services::Service;
 use std::net::SocketAddr;
-use std::os::fd::IntoRawFd;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::Semaphore;
+use tokio::sync::{watch, Semaphore};
 
 /// The client-connection limits of `server:` (resolved: no zero left).
 #[derive(Clone, Copy, Debug)]
@@ -77,29 +77,28 @@ pub struct FrontDoor<A> {
     listener: Option<std::net::TcpListener>,
     limits: ClientLimits,
     threads: Option<usize>,
+    life: Arc<Lifecycle>,
 }
 
 impl<A: HttpServerApp + Send + Sync + 'static> FrontDoor<A> {
-    /// Binds `addr` now (a bad address fails at startup) and returns the bound address.
-    pub fn bind(
+    /// Serves `listener` (bound by [`listen`] or inherited from an upgrade) until the
+    /// server shuts down or `life` starts draining.
+    pub fn new(
         name: &str,
-        addr: &str,
+        listener: std::net::TcpListener,
         app: A,
         limits: ClientLimits,
         threads: Option<usize>,
-    ) -> std::io::Result<(Self, SocketAddr)> {
-        let listener = listen(addr)?;
-        let local = listener.local_addr()?;
-        Ok((
-            FrontDoor {
-                name: name.to_string(),
-                app: Arc::new(app),
-                listener: Some(listener),
-                limits,
-                threads,
-            },
-            local,
-        ))
+        life: Arc<Lifecycle>,
+    ) -> Self {
+        FrontDoor {
+            name: name.to_string(),
+            app: Arc::new(app),
+            listener: Some(listener),
+            limits,
+            threads,
+            life,
+        }
     }
 }
 
@@ -108,7 +107,7 @@ impl<A: HttpServerApp + Send + Sync + 'static> FrontDoor<A> {
 const BACKLOG: i32 = 65_535;
 
 /// A non-blocking listening socket on `addr` with Pingora's backlog and `SO_REUSEADDR`.
-fn listen(addr: &str) -> std::io::Result<std::net::TcpListener> {
+pub fn listen(addr: &str) -> std::io::Result<std::net::TcpListener> {
     use socket2::{Domain, Protocol, Socket, Type};
     let addr: SocketAddr = addr
         .parse()
@@ -142,20 +141,14 @@ async fn shutting_down(watch: &mut ShutdownWatch) {
 impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
     async fn start_service(
         &mut self,
-        fds: Option<ListenFds>,
+        _fds: Option<ListenFds>,
         mut shutdown: ShutdownWatch,
         _listeners_per_fd: usize,
     ) {
         let Some(std_listener) = self.listener.take() else {
             return;
         };
-        // Pingora's fd table lists every listening socket (what a graceful upgrade
-        // hands on); ours is there under its bound address, as a duplicate.
-        if let (Some(table), Ok(local), Ok(dup)) =
-            (&fds, std_listener.local_addr(), std_listener.try_clone())
-        {
-            table.lock().add(local.to_string(), dup.into_raw_fd());
-        }
+        let mut drain = self.life.draining();
         let listener = match tokio::net::TcpListener::from_std(std_listener) {
             Ok(l) => Listener::from(l),
             Err(e) => {
@@ -171,10 +164,12 @@ impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
                     Err(_) => break,
                 },
                 _ = shutting_down(&mut shutdown) => break,
+                _ = until_set(&mut drain) => break,
             };
             let accepted = tokio::select! {
                 a = listener.accept() => a,
                 _ = shutting_down(&mut shutdown) => break,
+                _ = until_set(&mut drain) => break,
             };
             let mut stream = match accepted {
                 Ok(s) => s,
@@ -194,13 +189,24 @@ impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
             };
             let _ = stream.set_nodelay();
             let (app, limits, shutdown) = (self.app.clone(), self.limits, shutdown.clone());
+            let draining = self.life.draining();
+            // A connection counts as in flight from its accept until its first request
+            // is being handled (the request then counts itself): a drain never ends
+            // between a client's connect and its request.
+            let arriving = self.life.enter();
             tokio::spawn(async move {
-                serve(app, stream, limits, &shutdown).await;
+                serve(app, stream, limits, &shutdown, &draining, arriving).await;
                 drop(permit);
             });
         }
-        // As Pingora's own service does: wake the sessions idling between requests so
-        // kept-alive connections close now rather than at their keep-alive timeout.
+        // Accept nothing more: an upgrade's successor holds its own copy of the socket.
+        drop(listener);
+        // Pingora's own service now wakes the sessions idling between requests
+        // (`http_cleanup`), but that also drops a connection whose request header is
+        // still arriving. So only once the server itself shuts down (after the drain):
+        // until then an idle kept-alive connection may bring one more request, answered
+        // with `Connection: close`.
+        shutting_down(&mut shutdown).await;
         self.app.http_cleanup().await;
     }
 
@@ -219,14 +225,20 @@ async fn serve<A: HttpServerApp + Send + Sync + 'static>(
     stream: pingora::protocols::l4::stream::Stream,
     limits: ClientLimits,
     shutdown: &ShutdownWatch,
+    draining: &watch::Receiver<bool>,
+    arriving: Active,
 ) {
+    // No keep-alive once the process is stopping: the client reconnects to whoever
+    // listens next.
+    let keep = || !*shutdown.borrow() && !*draining.borrow();
     let keepalive = limits.keepalive_timeout.as_secs().max(1);
     let stream: Stream = Box::new(ClientStream::new(Box::new(stream), limits.header_timeout));
     let mut session = ServerSession::new_http1(stream);
-    session.set_keepalive((!*shutdown.borrow()).then_some(keepalive));
+    session.set_keepalive(keep().then_some(keepalive));
     let mut reused = app
         .process_new_http(prepared(session, limits), shutdown)
         .await;
+    drop(arriving);
     while let Some((stream, settings)) = reused.map(|r| r.consume()) {
         if let Some(cs) = stream.as_any().downcast_ref::<ClientStream>() {
             cs.next_request();
@@ -237,7 +249,7 @@ async fn serve<A: HttpServerApp + Send + Sync + 'static>(
         }
         // Pingora turns an HTTP/1.1 request's keep-alive into "no timeout" when it
         // parses it; the wait for the next request is ours to bound.
-        session.set_keepalive((!*shutdown.borrow()).then_some(keepalive));
+        session.set_keepalive(keep().then_some(keepalive));
         reused = app
             .process_new_http(prepared(session, limits), shutdown)
             .await;

@@ -34,7 +34,16 @@ impl<A: ServerApp + Send + Sync + 'static> TcpAppService<A> {
         app: A,
         threads: Option<usize>,
     ) -> std::io::Result<(Self, SocketAddr)> {
-        let listener = std::net::TcpListener::bind(addr)?;
+        Self::from_listener(name, std::net::TcpListener::bind(addr)?, app, threads)
+    }
+
+    /// Serves a socket already bound (or inherited from an upgrade).
+    pub fn from_listener(
+        name: &str,
+        listener: std::net::TcpListener,
+        app: A,
+        threads: Option<usize>,
+    ) -> std::io::Result<(Self, SocketAddr)> {
         listener.set_nonblocking(true)?;
         let local = listener.local_addr()?;
         let key = local.to_string();

@@ -2,4 +2,7 @@
 
 pub mod client_stream;
 pub mod frontdoor;
+pub mod handover;
+pub mod lifecycle;
 pub mod listener;
+pub mod notify;

@@ -9,6 +9,7 @@
 //! go through [`StoreWriter`], which batches commits on its own thread. This module does
 //! not expire entries; dropping expired state on load is the engine's job.
 
+pub mod handover;
 mod memory;
 mod redb;
 mod writer;

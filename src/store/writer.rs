@@ -34,6 +34,8 @@ enum Msg {
     Submit(Vec<Change>),
     Commit(Vec<Change>, Reply),
     Flush(Reply),
+    /// Commit what is pending into the current store, then write to this one instead.
+    Swap(Arc<dyn StateStore>, Reply),
 }
 
 /// A commit queued by [`StoreWriter::queue_commit`], to await outside any lock.
@@ -178,6 +180,17 @@ impl StoreWriter {
         done.await.map_err(|_| StoreError::Closed)?
     }
 
+    /// Commits everything queued so far into the current store, then lets go of it and
+    /// writes every later batch to `next` (the upgrade's handover, SPEC §8.1): when it
+    /// returns, the writer no longer holds the old store, whatever the outcome.
+    pub async fn swap_store(&self, next: Arc<dyn StateStore>) -> Result<(), StoreError> {
+        let (reply, done) = oneshot::channel();
+        self.tx
+            .send(Msg::Swap(next, reply))
+            .map_err(|_| StoreError::Closed)?;
+        done.await.map_err(|_| StoreError::Closed)?
+    }
+
     /// True once the writer has stopped.
     pub fn is_closed(&self) -> bool {
         self.tx.is_closed()
@@ -203,6 +216,8 @@ struct Loop {
     waiters: Vec<Reply>,
     /// `flush` callers: when non-empty, the loop stops after the next commit.
     flushers: Vec<Reply>,
+    /// `swap_store` callers: after the next commit, the store is replaced.
+    swaps: Vec<(Arc<dyn StateStore>, Reply)>,
     failures: u32,
     health: Arc<Health>,
 }
@@ -220,6 +235,7 @@ async fn run(
         pending: Pending::new(),
         waiters: Vec::new(),
         flushers: Vec::new(),
+        swaps: Vec::new(),
         failures: 0,
         health,
     };
@@ -262,9 +278,10 @@ async fn run(
                     }
                     return;
                 }
-                if !state.waiters.is_empty() {
+                if !state.waiters.is_empty() || !state.swaps.is_empty() {
                     let result = state.commit().await;
                     state.reply_waiters(&result);
+                    state.swap(&result);
                 }
             }
             _ = ticker.tick() => {
@@ -283,6 +300,7 @@ impl Loop {
                 self.waiters.push(reply);
             }
             Msg::Flush(reply) => self.flushers.push(reply),
+            Msg::Swap(next, reply) => self.swaps.push((next, reply)),
         }
     }
 
@@ -296,6 +314,18 @@ impl Loop {
         for w in self.waiters.drain(..) {
             // The caller may have given up waiting; the commit stands either way.
             let _ = w.send(result.clone());
+        }
+    }
+
+    /// Replaces the store with the last one asked for; a batch the old store refused
+    /// stays pending and goes to the new one.
+    fn swap(&mut self, result: &Result<(), StoreError>) {
+        let Some((next, _)) = self.swaps.last() else {
+            return;
+        };
+        self.store = Arc::clone(next);
+        for (_, reply) in self.swaps.drain(..) {
+            let _ = reply.send(result.clone());
         }
     }
 
@@ -458,6 +488,25 @@ mod tests {
         assert_eq!(healed.failed_commits, told.load(Ordering::SeqCst) as u64);
         writer.flush().await.unwrap();
         assert!(writer.health().closed);
+    }
+
+    #[tokio::test]
+    async fn swap_commits_into_the_old_store_then_writes_to_the_new() {
+        let old = flaky(false);
+        let next = flaky(false);
+        let writer = StoreWriter::spawn(old.clone(), Duration::from_secs(3600));
+        writer.submit(vec![Change::upsert(Table::Pins, "before", json!(1))]);
+        writer.swap_store(next.clone()).await.unwrap();
+        assert_eq!(old.load().unwrap()[&Table::Pins]["before"], json!(1));
+        // The writer let go of the old store: ours is the only reference left.
+        assert_eq!(Arc::strong_count(&old), 1);
+        writer
+            .commit_now(vec![Change::upsert(Table::Pins, "after", json!(2))])
+            .await
+            .unwrap();
+        assert!(!old.load().unwrap()[&Table::Pins].contains_key("after"));
+        assert_eq!(next.load().unwrap()[&Table::Pins]["after"], json!(2));
+        assert!(!next.load().unwrap()[&Table::Pins].contains_key("before"));
     }
 
     #[tokio::test]

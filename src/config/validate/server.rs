@@ -84,6 +84,23 @@ impl Validator<'_> {
                 AccessFormat::Text
             }),
         };
+        let drain_timeout = self.duration(
+            "server.drain_timeout",
+            raw.drain_timeout.as_ref(),
+            Duration::from_secs(600),
+        );
+        if drain_timeout > Duration::from_secs(24 * 3600) {
+            self.err("server.drain_timeout", "must be at most 24h");
+        }
+        let upgrade_sock = raw
+            .upgrade_sock
+            .unwrap_or_else(|| "/run/sluice/upgrade.sock".into());
+        if upgrade_sock.is_empty() || upgrade_sock.len() > 100 {
+            self.err(
+                "server.upgrade_sock",
+                "must be a unix socket path of 1 to 100 bytes",
+            );
+        }
         ServerConfig {
             listen,
             admin_listen,
@@ -95,6 +112,8 @@ impl Validator<'_> {
             keepalive_timeout,
             max_client_connections,
             access_log,
+            drain_timeout,
+            upgrade_sock,
         }
     }
 }

@@ -1,0 +1,184 @@
+//! The operator kit in `deploy/` holds together: the Kubernetes manifest's config and
+//! rules pass `sluice check`, its probes and grace period fit the gateway's drain, every
+//! secret the config names is in the Secret, and the systemd unit's reload is the
+//! zero-downtime upgrade of SPEC §8.1.
+
+// Integration tests: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::gw::TempDir;
+use serde_yaml::Value;
+use std::path::Path;
+use std::time::Duration;
+
+fn manifest() -> Vec<Value> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/kubernetes/sluice.yaml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|d| serde::Deserialize::deserialize(d).expect("each document is YAML"))
+        .collect()
+}
+
+fn object<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
+    docs.iter()
+        .find(|d| d["kind"] == kind)
+        .unwrap_or_else(|| panic!("no {kind} in the manifest"))
+}
+
+fn config_text(docs: &[Value]) -> String {
+    object(docs, "ConfigMap")["data"]["sluice.yaml"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+fn config(docs: &[Value]) -> Value {
+    serde_yaml::from_str(&config_text(docs)).unwrap()
+}
+
+/// Every `*_env` value in the config (the names of the secrets it reads).
+fn env_names(v: &Value, out: &mut Vec<String>) {
+    match v {
+        Value::Mapping(m) => {
+            for (k, v) in m {
+                match (k.as_str(), v.as_str()) {
+                    (Some(k), Some(name)) if k.ends_with("_env") => out.push(name.to_owned()),
+                    _ => env_names(v, out),
+                }
+            }
+        }
+        Value::Sequence(items) => items.iter().for_each(|i| env_names(i, out)),
+        _ => {}
+    }
+}
+
+#[test]
+fn the_kubernetes_config_and_rules_pass_sluice_check() {
+    let docs = manifest();
+    let data = &object(&docs, "ConfigMap")["data"];
+    let dir = TempDir::new("sluice-deploy");
+    let rules = dir.0.join("rules");
+    std::fs::create_dir_all(&rules).unwrap();
+    for name in ["restatement.yaml", "classification.yaml"] {
+        std::fs::write(rules.join(name), data[name].as_str().unwrap()).unwrap();
+    }
+    let text = config_text(&docs)
+        .replace("/etc/sluice/rules", rules.to_str().unwrap())
+        .replace("/var/lib/sluice", dir.0.to_str().unwrap());
+    let path = dir.0.join("sluice.yaml");
+    std::fs::write(&path, text).unwrap();
+    let mut names = Vec::new();
+    env_names(&config(&docs), &mut names);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["check", "--config", path.to_str().unwrap()])
+        .envs(names.iter().map(|n| (n.as_str(), "example")))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "sluice check failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn every_secret_the_kubernetes_config_reads_is_in_the_secret() {
+    let docs = manifest();
+    let mut names = Vec::new();
+    env_names(&config(&docs), &mut names);
+    assert!(names.contains(&"SLUICE_ADMIN_TOKEN".to_owned()));
+    let secret = &object(&docs, "Secret")["stringData"];
+    for n in &names {
+        assert!(secret.get(n).is_some(), "the Secret has no {n}");
+    }
+    let container = &object(&docs, "Deployment")["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(
+        container["envFrom"][0]["secretRef"]["name"],
+        object(&docs, "Secret")["metadata"]["name"]
+    );
+}
+
+#[test]
+fn the_kubernetes_pod_drains_within_its_grace_period_and_probes_the_admin_port() {
+    let docs = manifest();
+    let cfg = config(&docs);
+    let pod = &object(&docs, "Deployment")["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    let drain =
+        humantime::parse_duration(cfg["server"]["drain_timeout"].as_str().unwrap()).unwrap();
+    let pre_stop = c["lifecycle"]["preStop"]["exec"]["command"][1]
+        .as_str()
+        .unwrap()
+        .parse::<u64>()
+        .unwrap();
+    let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
+    assert!(
+        Duration::from_secs(grace) > drain + Duration::from_secs(pre_stop),
+        "grace {grace}s ≤ preStop {pre_stop}s + drain {drain:?}: the kubelet would cut the drain"
+    );
+    let port_of = |name: &str| {
+        c["ports"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .and_then(|p| p["containerPort"].as_u64())
+            .unwrap()
+    };
+    let admin: std::net::SocketAddr = cfg["server"]["admin_listen"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let client: std::net::SocketAddr = cfg["server"]["listen"].as_str().unwrap().parse().unwrap();
+    assert!(
+        admin.ip().is_unspecified(),
+        "the kubelet cannot probe {admin}"
+    );
+    assert_eq!(port_of("admin"), u64::from(admin.port()));
+    assert_eq!(port_of("http"), u64::from(client.port()));
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/ready");
+    assert_eq!(c["readinessProbe"]["httpGet"]["port"], "admin");
+    assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/health");
+    assert_eq!(c["livenessProbe"]["httpGet"]["port"], "admin");
+    let selector = &object(&docs, "Service")["spec"]["selector"];
+    assert_eq!(
+        selector,
+        &object(&docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    );
+    assert_eq!(
+        object(&docs, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"],
+        *selector
+    );
+}
+
+#[test]
+fn the_systemd_unit_reloads_by_upgrade_and_outlasts_the_drain() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/sluice.service");
+    let unit = std::fs::read_to_string(path).unwrap();
+    let value = |key: &str| -> Vec<&str> {
+        unit.lines()
+            .filter_map(|l| l.strip_prefix(key)?.strip_prefix('='))
+            .collect()
+    };
+    assert_eq!(value("Type"), ["notify"]);
+    assert_eq!(
+        value("NotifyAccess"),
+        ["all"],
+        "the successor announces itself as MAINPID"
+    );
+    let reload = value("ExecReload").join("\n");
+    assert!(
+        reload.contains("run --upgrade") && reload.contains("-QUIT ${MAINPID}"),
+        "{reload}"
+    );
+    let stop = value("TimeoutStopSec")[0];
+    let stop = humantime::parse_duration(stop).unwrap();
+    assert!(
+        stop > Duration::from_secs(600),
+        "TimeoutStopSec {stop:?} cuts the default 10 min drain"
+    );
+}
