@@ -216,7 +216,14 @@ fn all_transport_failures_give_502_with_attempts() {
     let attempts = j["error"]["diagnostics"]["attempts"].as_array().unwrap();
     assert_eq!(attempts.len(), 1);
     assert_eq!(attempts[0]["provider"], "dead");
-    assert_eq!(attempts[0]["reason"], "transport");
+    assert_eq!(attempts[0]["reason"], "refused");
+    assert!(
+        attempts[0]["detail"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("ConnectRefused")),
+        "{}",
+        r.text()
+    );
     assert_eq!(r.header("x-sluice-attempts"), Some("1"));
 }
 

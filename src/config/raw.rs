@@ -70,8 +70,19 @@ pub struct RawProvider {
     pub retry_delay: Option<String>,
     pub connect_timeout: Option<String>,
     pub quota_family: Option<String>,
+    pub http2: Option<String>,
+    pub tls: Option<RawTls>,
     #[serde(default)]
     pub connections: Vec<Value>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTls {
+    pub ca_file: Option<String>,
+    pub client_cert_file: Option<String>,
+    pub client_key_file: Option<String>,
+    pub verify: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -209,6 +209,47 @@ pub struct Connection {
     pub disable_cooling: bool,
 }
 
+/// `providers[].http2`: HTTP/2 to the upstream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Http2 {
+    /// Offered by ALPN on TLS (HTTP/1.1 if the upstream declines); HTTP/1.1 in clear.
+    #[default]
+    Auto,
+    /// HTTP/2 only: by ALPN on TLS, with prior knowledge (h2c) in clear.
+    On,
+    Off,
+}
+
+/// `providers[].tls`, loaded: the CA the upstream's certificate must chain to (instead
+/// of the system store), the client certificate for mutual TLS, and whether to verify.
+#[derive(Clone)]
+pub struct UpstreamTls {
+    pub ca: Option<std::sync::Arc<pingora::protocols::tls::CaType>>,
+    pub client: Option<std::sync::Arc<pingora::utils::tls::CertKey>>,
+    pub verify: bool,
+}
+
+impl Default for UpstreamTls {
+    fn default() -> Self {
+        UpstreamTls {
+            ca: None,
+            client: None,
+            verify: true,
+        }
+    }
+}
+
+impl std::fmt::Debug for UpstreamTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key.
+        f.debug_struct("UpstreamTls")
+            .field("ca", &self.ca.as_ref().map(|c| c.len()))
+            .field("client_cert", &self.client.is_some())
+            .field("verify", &self.verify)
+            .finish()
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Provider {
     pub id: String,
@@ -218,6 +259,8 @@ pub struct Provider {
     pub retry_delay: Option<Duration>,
     pub connect_timeout: Duration,
     pub quota_family: Option<String>,
+    pub http2: Http2,
+    pub tls: UpstreamTls,
     pub connections: Vec<Connection>,
 }
 

@@ -34,7 +34,9 @@ pub enum AttemptOutcome<'a> {
     /// No usable answer: connect, reset, or no first byte within the TTFT budget.
     Transport {
         kind: TransportKind,
-        what: &'static str,
+        /// `sluice_attempts_total` outcome: refused, reset, timeout, tls, dns, connect.
+        cause: &'static str,
+        what: &'a str,
     },
     /// The execution deadline passed: no verdict on the upstream.
     Deadline,
@@ -95,13 +97,13 @@ impl Engine {
                 };
                 (label, ended, Some(v))
             }
-            AttemptOutcome::Transport { kind, what } => {
+            AttemptOutcome::Transport { kind, cause, what } => {
                 let v = self.judge_transport(a, kind, what);
                 let ended = Ended::Transport {
                     pick,
                     timed_out: kind == TransportKind::Timeout,
                 };
-                ("transport", ended, Some(v))
+                (cause, ended, Some(v))
             }
             AttemptOutcome::Deadline => {
                 self.record(a, Outcome::Abandoned);

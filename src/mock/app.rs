@@ -187,6 +187,7 @@ impl MockApp {
         self.stats.count_request(
             route,
             fault::request_credential(&session.req_header().headers),
+            session.is_http2(),
         );
         let body = match read_body(session, MAX_BODY).await {
             Ok(b) => b,
@@ -352,6 +353,9 @@ impl MockApp {
         let Some(mut h) = self.header(status, ctype, fault) else {
             return End::Close;
         };
+        if session.is_http2() && h.insert_header("x-mock-http", "2").is_err() {
+            return End::Close;
+        }
         let framing = match cut {
             // Chunked so the partial body is flushed to the client right away.
             Some(_) => h.insert_header(header::TRANSFER_ENCODING, "chunked"),
@@ -391,6 +395,9 @@ impl MockApp {
         let Some(mut h) = self.header(200, SSE, fault) else {
             return End::Close;
         };
+        if session.is_http2() && h.insert_header("x-mock-http", "2").is_err() {
+            return End::Close;
+        }
         let framed = h.insert_header(header::CACHE_CONTROL, "no-cache").is_ok()
             && h.insert_header(header::TRANSFER_ENCODING, "chunked")
                 .is_ok();

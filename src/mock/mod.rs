@@ -11,7 +11,9 @@
 //! line `LISTENING mock <ip:port>` is printed to stdout and flushed; test harnesses read
 //! it to learn the port. The mock must never be the bottleneck of a benchmark, so the
 //! request path avoids per-request locks beyond two brief counters and builds bodies
-//! without intermediate JSON trees. It deliberately does not speak TLS or HTTP/2.
+//! without intermediate JSON trees. With `--tls-cert`/`--tls-key` it speaks TLS (and
+//! HTTP/2 when `--h2` offers it by ALPN; `--tls-client-ca` requires a client
+//! certificate signed by that CA), so tests can stand up a private-CA upstream.
 
 mod app;
 pub mod fault;
@@ -55,6 +57,49 @@ pub struct Cli {
     /// Process fault, e.g. `status=503;times=2` (see the module docs for keys).
     #[arg(long, value_name = "SPEC", value_parser = Fault::parse)]
     pub fault: Option<Fault>,
+    /// Serve TLS with this certificate chain (PEM); needs `--tls-key`.
+    #[arg(long, requires = "tls_key")]
+    pub tls_cert: Option<String>,
+    /// The private key (PEM) of `--tls-cert`.
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<String>,
+    /// Offer HTTP/2 by ALPN (TLS only; HTTP/1.1 stays available).
+    #[arg(long, requires = "tls_cert")]
+    pub h2: bool,
+    /// Require a client certificate signed by this CA (PEM): mutual TLS.
+    #[arg(long, requires = "tls_cert")]
+    pub tls_client_ca: Option<String>,
+}
+
+/// The TLS settings the command line asks for, checked before anything listens.
+fn tls_settings(cli: &Cli) -> Result<Option<pingora::listeners::tls::TlsSettings>, String> {
+    let (Some(cert), Some(key)) = (&cli.tls_cert, &cli.tls_key) else {
+        return Ok(None);
+    };
+    match pingora::tls::load_certs_and_key_files(cert, key) {
+        Ok(Some(_)) => {}
+        _ => {
+            return Err(format!(
+                "cannot load the TLS certificate {cert} and key {key}"
+            ))
+        }
+    }
+    let mut settings = pingora::listeners::tls::TlsSettings::intermediate(cert, key)
+        .map_err(|e| format!("TLS settings: {e}"))?;
+    if cli.h2 {
+        settings.enable_h2();
+    }
+    if let Some(ca) = &cli.tls_client_ca {
+        pingora::tls::install_default_crypto_provider();
+        let mut roots = pingora::tls::RootCertStore::empty();
+        pingora::tls::load_ca_file_into_store(ca, &mut roots)
+            .map_err(|e| format!("cannot load the client CA {ca}: {e}"))?;
+        let verifier = pingora::tls::WebPkiClientVerifier::builder(std::sync::Arc::new(roots))
+            .build()
+            .map_err(|e| format!("client CA {ca}: {e}"))?;
+        settings.set_client_cert_verifier(verifier);
+    }
+    Ok(Some(settings))
 }
 
 /// Why the mock could not start, with the exit code to use.
@@ -88,10 +133,15 @@ pub fn run(cli: Cli) -> Result<std::convert::Infallible, StartError> {
         chunk_interval: cli.chunk_interval,
     })
     .map_err(|message| StartError { code: 2, message })?;
-    if let Some(f) = cli.fault {
+    if let Some(f) = cli.fault.clone() {
         app.set_fault(f);
     }
-    let (service, addr) = TcpAppService::bind("sluice-mock", &cli.listen, app, Some(threads))
+    let tls = tls_settings(&cli).map_err(|message| StartError { code: 2, message })?;
+    let listener = std::net::TcpListener::bind(&cli.listen).map_err(|e| StartError {
+        code: 1,
+        message: format!("cannot listen on {}: {e}", cli.listen),
+    })?;
+    let (service, addr) = TcpAppService::with_tls("sluice-mock", listener, app, Some(threads), tls)
         .map_err(|e| StartError {
             code: 1,
             message: format!("cannot listen on {}: {e}", cli.listen),

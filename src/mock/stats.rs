@@ -29,6 +29,8 @@ pub struct Stats {
     streams_completed: AtomicU64,
     streams_aborted: AtomicU64,
     requests_abandoned: AtomicU64,
+    /// API requests that arrived over HTTP/2.
+    http2: AtomicU64,
     by_credential: Mutex<HashMap<String, u64>>,
     last: Mutex<LastRequest>,
 }
@@ -41,8 +43,11 @@ struct LastRequest {
 
 impl Stats {
     /// Counts one request on an API route, as soon as its header was read.
-    pub fn count_request(&self, route: Route, credential: Option<&str>) {
+    pub fn count_request(&self, route: Route, credential: Option<&str>, http2: bool) {
         self.total.fetch_add(1, Ordering::Relaxed);
+        if http2 {
+            self.http2.fetch_add(1, Ordering::Relaxed);
+        }
         self.routes[route.index()].fetch_add(1, Ordering::Relaxed);
         if let Some(cred) = credential {
             let mut map = self.by_credential.lock().unwrap_or_else(|e| e.into_inner());
@@ -99,6 +104,7 @@ impl Stats {
             &self.streams_completed,
             &self.streams_aborted,
             &self.requests_abandoned,
+            &self.http2,
         ] {
             c.store(0, Ordering::Relaxed);
         }
@@ -149,6 +155,7 @@ impl Stats {
         json!({
             "name": name,
             "total": self.total.load(Ordering::Relaxed),
+            "http2": self.http2.load(Ordering::Relaxed),
             "routes": routes,
             "by_credential": by_credential,
             "inflight": self.inflight.load(Ordering::Relaxed),
@@ -202,14 +209,15 @@ mod tests {
     #[test]
     fn counts_routes_credentials_and_last_body() {
         let s = Stats::default();
-        s.count_request(Route::Chat, Some("k1"));
-        s.count_request(Route::Chat, Some("k1"));
-        s.count_request(Route::Messages, None);
+        s.count_request(Route::Chat, Some("k1"), false);
+        s.count_request(Route::Chat, Some("k1"), false);
+        s.count_request(Route::Messages, None, true);
         let mut h = HeaderMap::new();
         h.insert("x-test", "1".parse().unwrap());
         s.record_last(Bytes::from_static(b"abc"), h);
         let v = s.to_json("m", Some("status=500".into()));
         assert_eq!(v["total"], 3);
+        assert_eq!(v["http2"], 1);
         assert_eq!(v["routes"]["/v1/chat/completions"], 2);
         assert_eq!(v["routes"]["/v1/messages"], 1);
         assert_eq!(v["routes"]["/v1/models"], 0);

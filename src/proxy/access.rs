@@ -111,6 +111,10 @@ pub fn text(e: &Entry, out: &mut Vec<u8>) {
             }
             None => text_value(a.reason, out),
         }
+        if let Some(d) = &a.detail {
+            out.push(b':');
+            text_value(d, out);
+        }
     }
     pair("note", e.note.unwrap_or(""), out);
     match e.ttfb_ms {
@@ -169,6 +173,7 @@ pub fn json(e: &Entry, out: &mut Vec<u8>) {
             None => out.extend_from_slice(b",\"status\":null"),
         }
         field("reason", Some(a.reason), out);
+        field("detail", a.detail.as_deref(), out);
         out.push(b'}');
     }
     out.push(b']');
@@ -317,13 +322,15 @@ mod tests {
                 model: "claude".into(),
                 status: Some(429),
                 reason: "rate_limited",
+                detail: None,
             },
             AttemptRecord {
                 provider: "openai".into(),
                 connection: "key-2".into(),
                 model: "gpt-4o".into(),
                 status: None,
-                reason: "timeout",
+                reason: "tls",
+                detail: Some("TLSHandshakeFailure: invalid peer certificate: UnknownIssuer".into()),
             },
         ]
     }
@@ -343,7 +350,7 @@ mod tests {
             "2025-12-02T04:18:53.123Z INFO sluice::access: request method=POST \
              path=/v1/chat/completions route=chat model=smart client=- status=200 attempts=2 \
              provider=openai connection=key-1 upstream_model=gpt-4o \
-             failed=anthropic/acct:429,openai/key-2:timeout note=- ttfb_ms=12 duration_ms=30 \
+             failed=anthropic/acct:429,openai/key-2:tls:\"TLSHandshakeFailure: invalid peer certificate: UnknownIssuer\" note=- ttfb_ms=12 duration_ms=30 \
              bytes_out=279 error=-\n"
         );
     }
@@ -366,7 +373,12 @@ mod tests {
         assert_eq!(v["upstream_model"], "gpt-4o");
         assert_eq!(v["failed"][0]["status"], 429);
         assert_eq!(v["failed"][1]["status"], serde_json::Value::Null);
-        assert_eq!(v["failed"][1]["reason"], "timeout");
+        assert_eq!(v["failed"][1]["reason"], "tls");
+        assert_eq!(
+            v["failed"][1]["detail"],
+            "TLSHandshakeFailure: invalid peer certificate: UnknownIssuer"
+        );
+        assert_eq!(v["failed"][0]["detail"], serde_json::Value::Null);
         assert_eq!(v["note"], serde_json::Value::Null);
         assert_eq!(v["ttfb_ms"], 12);
         assert_eq!(v["bytes_out"], 279);

@@ -13,6 +13,7 @@
 //!   whole; any other end drops it.
 
 use super::ctx::{Request, RequestCtx};
+use super::transport::{self, Cause};
 use super::upstream;
 use super::watch::{ClientWatch, Wait};
 use crate::clock::monotonic;
@@ -25,6 +26,7 @@ use pingora::prelude::HttpPeer;
 use pingora::protocols::http::client::HttpSession;
 use pingora::proxy::Session;
 use pingora::RetryType;
+use std::borrow::Cow;
 use std::time::{Duration, Instant};
 
 /// Upstream error bodies are read up to this size (SPEC §2, phase 4).
@@ -67,10 +69,26 @@ pub(super) enum AttemptEnd {
     /// The upstream answered ≥ 400 before anything was committed.
     Refused(Box<HeldError>),
     /// Connect / write / read failure, or no first byte within the TTFT budget.
-    Transport(TransportKind, &'static str),
+    Transport(Broken),
     /// The execution deadline passed.
     Deadline,
     ClientGone,
+}
+
+/// A transport failure: how the failure memory weighs it (`kind`), what to call it
+/// (`cause`, a stable word) and what happened, in words (`what`, e.g. why TLS failed).
+pub(super) struct Broken {
+    pub kind: TransportKind,
+    pub cause: Cause,
+    pub what: Cow<'static, str>,
+}
+
+fn broken(kind: TransportKind, cause: Cause, what: impl Into<Cow<'static, str>>) -> AttemptEnd {
+    AttemptEnd::Transport(Broken {
+        kind,
+        cause,
+        what: what.into(),
+    })
 }
 
 /// One attempt: the request, its pick and its clock.
@@ -91,7 +109,11 @@ impl Call<'_, '_> {
         if monotonic() >= self.deadline {
             AttemptEnd::Deadline
         } else {
-            AttemptEnd::Transport(TransportKind::Timeout, "no first byte within ttft_timeout")
+            broken(
+                TransportKind::Timeout,
+                Cause::Timeout,
+                "no first byte within ttft_timeout",
+            )
         }
     }
 }
@@ -148,7 +170,7 @@ async fn phases(
         // upstream may have closed every idle one at once), within the same attempt and the same first-byte budget.
         // Only once, and only right after the write: anything later may be an upstream
         // that took the request and died on it, which is the provider's failure.
-        Err(AttemptEnd::Transport(TransportKind::Reset, STALE)) if reused => {
+        Err(AttemptEnd::Transport(b)) if reused && b.what == STALE => {
             let p = &call.req.snap.config.providers[call.pick.provider];
             tracing::info!(provider = %p.id, connection = %p.connections[call.pick.connection].id,
                 "pooled upstream connection was closed; request resent on another connection");
@@ -188,8 +210,9 @@ async fn connect(
     let addr = match watch.race(session, call.left(), lookup).await {
         Wait::Ready(Ok(a)) => a,
         Wait::Ready(Err(_)) => {
-            return Err(AttemptEnd::Transport(
+            return Err(broken(
                 TransportKind::Connect,
+                Cause::Dns,
                 "dns lookup failed",
             ))
         }
@@ -201,6 +224,7 @@ async fn connect(
     peer.options.total_connection_timeout = Some(p.connect_timeout * 2);
     peer.options.idle_timeout = Some(POOL_IDLE);
     peer.options.write_timeout = Some(WRITE_TIMEOUT);
+    transport::configure(&mut peer, p);
     let got = engine.upstreams.session(&peer);
     let (up, reused) = session_of(watch.race(session, call.left(), got).await)?;
     Ok((up, peer, reused))
@@ -211,10 +235,15 @@ fn session_of(
 ) -> Result<(HttpSession, bool), AttemptEnd> {
     match w {
         Wait::Ready(Ok(got)) => Ok(got),
-        Wait::Ready(Err(_)) => Err(AttemptEnd::Transport(
-            TransportKind::Connect,
-            "connect failed",
-        )),
+        Wait::Ready(Err(e)) => {
+            let (cause, what) = transport::connect_failure(&e);
+            let kind = if cause == Cause::Timeout {
+                TransportKind::Timeout
+            } else {
+                TransportKind::Connect
+            };
+            Err(broken(kind, cause, what))
+        }
         Wait::TimedOut => Err(AttemptEnd::Deadline),
         Wait::ClientGone => Err(AttemptEnd::ClientGone),
     }
@@ -237,8 +266,9 @@ async fn send(
     let Ok(req) =
         upstream::request_header(call.req.header, call.req.route.path(), p, conn, body.len())
     else {
-        return Err(AttemptEnd::Transport(
+        return Err(broken(
             TransportKind::Reset,
+            Cause::Reset,
             "cannot build the upstream request",
         ));
     };
@@ -270,7 +300,7 @@ async fn send(
             } else {
                 CONN_FAILED
             };
-            return Err(AttemptEnd::Transport(TransportKind::Reset, what));
+            return Err(broken(TransportKind::Reset, Cause::Reset, what));
         }
         Wait::TimedOut => return Err(call.timed_out()),
         Wait::ClientGone => return Err(AttemptEnd::ClientGone),
@@ -278,17 +308,19 @@ async fn send(
     let header = up
         .response_header()
         .cloned()
-        .ok_or(AttemptEnd::Transport(TransportKind::Reset, CONN_FAILED))?;
+        .ok_or_else(|| broken(TransportKind::Reset, Cause::Reset, CONN_FAILED))?;
     if header_bytes(&header) > MAX_UPSTREAM_HEADER_BYTES {
-        return Err(AttemptEnd::Transport(
+        return Err(broken(
             TransportKind::Reset,
+            Cause::Reset,
             "upstream response header too large",
         ));
     }
     // `http` accepts 100..=999; anything past 599 is not HTTP an upstream may answer.
     if header.status.as_u16() > 599 {
-        return Err(AttemptEnd::Transport(
+        return Err(broken(
             TransportKind::Reset,
+            Cause::Reset,
             "invalid upstream status",
         ));
     }
@@ -396,8 +428,9 @@ async fn first_chunk(
     let limit = first_byte_by.saturating_duration_since(monotonic());
     match watch.race(session, limit, up.read_response_body()).await {
         Wait::Ready(Ok(c)) => Ok(c),
-        Wait::Ready(Err(_)) => Err(AttemptEnd::Transport(
+        Wait::Ready(Err(_)) => Err(broken(
             TransportKind::Reset,
+            Cause::Reset,
             "upstream connection failed",
         )),
         Wait::TimedOut => Err(call.timed_out()),
@@ -409,7 +442,11 @@ async fn first_chunk(
 async fn commit(session: &mut Session, ctx: &mut RequestCtx, mut c: Committed) -> AttemptEnd {
     let chunked = upstream::client_takes_chunked(session);
     let Ok(resp) = upstream::response_header(&c.header, chunked, &ctx.sluice_headers()) else {
-        return AttemptEnd::Transport(TransportKind::Reset, "invalid upstream response header");
+        return broken(
+            TransportKind::Reset,
+            Cause::Reset,
+            "invalid upstream response header",
+        );
     };
     c.is_sse = c
         .header

@@ -97,6 +97,8 @@ pub struct AttemptRecord {
     pub model: String,
     pub status: Option<u16>,
     pub reason: &'static str,
+    /// What happened, in words, for a transport failure (e.g. why the TLS handshake failed).
+    pub detail: Option<String>,
 }
 
 impl AttemptRecord {
@@ -107,6 +109,7 @@ impl AttemptRecord {
             "model": self.model,
             "status": self.status,
             "reason": self.reason,
+            "detail": self.detail,
         })
     }
 

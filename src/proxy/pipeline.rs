@@ -191,7 +191,13 @@ impl Driver<'_> {
         let info = info(&self.req, pick, started, slot.probe, fsm.is_last_attempt());
         let settled = engine.settle(&info, outcome_of(&end)).await;
         if let Some(v) = &settled.verdict {
-            ctx.records.push(record(&self.req, pick, v));
+            let mut r = record(&self.req, pick, v);
+            if let AttemptEnd::Transport(b) = &end {
+                // The cause names the failure; the words say what happened (why TLS failed).
+                r.reason = b.cause.as_str();
+                r.detail = Some(b.what.to_string());
+            }
+            ctx.records.push(r);
         }
         match end {
             AttemptEnd::Committed(c) => {
@@ -413,7 +419,11 @@ fn outcome_of(end: &AttemptEnd) -> AttemptOutcome<'_> {
             headers: &e.header.headers,
             body: &e.body,
         },
-        AttemptEnd::Transport(kind, what) => AttemptOutcome::Transport { kind: *kind, what },
+        AttemptEnd::Transport(b) => AttemptOutcome::Transport {
+            kind: b.kind,
+            cause: b.cause.as_str(),
+            what: &b.what,
+        },
         AttemptEnd::Deadline => AttemptOutcome::Deadline,
         AttemptEnd::ClientGone => AttemptOutcome::ClientGone,
     }
@@ -461,5 +471,6 @@ fn record(req: &Request<'_>, pick: Pick, v: &Verdict) -> AttemptRecord {
         model,
         status: (v.status != 0).then_some(v.status),
         reason: v.class.reason.as_str(),
+        detail: None,
     }
 }

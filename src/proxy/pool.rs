@@ -119,9 +119,12 @@ fn spawn_sweeper(idle: &Arc<Mutex<IdleSet>>) -> bool {
     true
 }
 
-/// Connects to upstreams and keeps their idle HTTP/1.1 connections.
+/// Connects to upstreams and keeps their idle HTTP/1.1 connections. Peers that may
+/// speak HTTP/2 go through Pingora's HTTP connector instead, which negotiates by ALPN
+/// and multiplexes its HTTP/2 connections (`proxy::transport`).
 pub struct Upstreams {
     transport: TransportConnector,
+    multiplexing: pingora::connectors::http::Connector,
     idle: Arc<Mutex<IdleSet>>,
     /// The sweeper task runs (started with the first release, on its runtime).
     sweeping: AtomicBool,
@@ -131,6 +134,7 @@ impl Upstreams {
     pub fn new(options: ConnectorOptions) -> Self {
         let cap = options.keepalive_pool_size;
         Self {
+            multiplexing: pingora::connectors::http::Connector::new(Some(options.clone())),
             transport: TransportConnector::new(Some(options)),
             idle: Arc::new(Mutex::new(IdleSet {
                 by_peer: HashMap::new(),
@@ -144,6 +148,9 @@ impl Upstreams {
     /// An HTTP/1.1 session to `peer`: an idle connection if one is still good (`true`),
     /// else a new one.
     pub async fn session(&self, peer: &HttpPeer) -> pingora::Result<(HttpSession, bool)> {
+        if super::transport::multiplexed(peer) {
+            return self.multiplexing.get_http_session(peer).await;
+        }
         if let Some(stream) = self.take(peer.reuse_hash(), crate::clock::monotonic()) {
             return Ok((session(stream, peer), true));
         }
@@ -153,6 +160,9 @@ impl Upstreams {
     /// A session on a new connection (the retry after a pooled one turned out closed:
     /// the upstream may have closed all its idle connections at once).
     pub async fn fresh(&self, peer: &HttpPeer) -> pingora::Result<HttpSession> {
+        if super::transport::multiplexed(peer) {
+            return Ok(self.multiplexing.get_http_session(peer).await?.0);
+        }
         let stream = self.transport.new_stream(peer).await?;
         Ok(session(Box::new(OneSend::new(stream)), peer))
     }
@@ -182,6 +192,12 @@ impl Upstreams {
     /// Returns a session whose exchange ended: kept when the response was read to its
     /// end and both sides allow keep-alive, closed otherwise.
     pub async fn release(&self, session: HttpSession, peer: &HttpPeer, idle_timeout: Duration) {
+        if super::transport::multiplexed(peer) {
+            self.multiplexing
+                .release_http_session(session, peer, Some(idle_timeout))
+                .await;
+            return;
+        }
         let HttpSession::H1(mut h1) = session else {
             return;
         };

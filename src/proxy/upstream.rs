@@ -145,6 +145,8 @@ mod tests {
             retry_delay: None,
             connect_timeout: Duration::from_secs(1),
             quota_family: None,
+            http2: Default::default(),
+            tls: Default::default(),
             connections: vec![],
         }
     }

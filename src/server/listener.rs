@@ -44,11 +44,25 @@ impl<A: ServerApp + Send + Sync + 'static> TcpAppService<A> {
         app: A,
         threads: Option<usize>,
     ) -> std::io::Result<(Self, SocketAddr)> {
+        Self::with_tls(name, listener, app, threads, None)
+    }
+
+    /// [`TcpAppService::from_listener`], speaking TLS with `tls` when given.
+    pub fn with_tls(
+        name: &str,
+        listener: std::net::TcpListener,
+        app: A,
+        threads: Option<usize>,
+        tls: Option<pingora::listeners::tls::TlsSettings>,
+    ) -> std::io::Result<(Self, SocketAddr)> {
         listener.set_nonblocking(true)?;
         let local = listener.local_addr()?;
         let key = local.to_string();
         let mut inner = ListeningService::new(name.to_string(), app);
-        inner.add_tcp(&key);
+        match tls {
+            Some(settings) => inner.add_tls_with_settings(&key, None, settings),
+            None => inner.add_tcp(&key),
+        }
         inner.threads = threads;
         Ok((
             Self {

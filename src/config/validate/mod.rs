@@ -7,6 +7,7 @@
 
 mod resilience;
 mod server;
+mod transport;
 
 use super::raw::*;
 use super::types::*;
@@ -435,6 +436,8 @@ impl Validator<'_> {
                 Duration::from_millis(10),
                 Duration::from_secs(300),
             );
+            let http2 = self.http2(&path, raw.http2.as_deref());
+            let tls = self.upstream_tls(&path, raw.tls, &base_url);
             let connections = self.connections(&path, raw.connections, class);
             if connections.is_empty() {
                 self.err(
@@ -450,6 +453,8 @@ impl Validator<'_> {
                 retry_delay,
                 connect_timeout,
                 quota_family: raw.quota_family,
+                http2,
+                tls,
                 connections,
             });
         }

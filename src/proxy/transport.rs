@@ -1,0 +1,190 @@
+//! The upstream transport of one provider (SPEC §6 `http2`, `tls`) and how its failures
+//! are named (SPEC §2 finish: refused, reset, timeout, TLS and why).
+//!
+//! Invariants: a peer is configured from its provider alone, the same way for every
+//! attempt, so pooled connections are reused only by peers that would have made them
+//! (Pingora's reuse hash covers the TLS settings and the ALPN); HTTP/2 is multiplexed
+//! up to [`H2_STREAMS`] requests per connection; a transport failure's cause is one of a
+//! few stable words (metric labels, `diagnostics.attempts[].reason`), and its detail is
+//! Pingora's error text, bounded and never holding request bytes.
+
+use crate::config::{Http2, Provider};
+use pingora::upstreams::peer::HttpPeer;
+use pingora::ErrorType;
+
+/// Concurrent requests on one HTTP/2 connection (Pingora's default is 1: no multiplexing).
+pub const H2_STREAMS: usize = 100;
+
+/// Applies the provider's TLS and HTTP version settings to `peer`.
+pub fn configure(peer: &mut HttpPeer, p: &Provider) {
+    // Pingora's reuse hash leaves out the CA a connection was verified against: keep
+    // each provider's connections to itself, so none is reused under another's trust.
+    peer.group_key = {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        p.id.hash(&mut h);
+        h.finish()
+    };
+    let o = &mut peer.options;
+    match (p.http2, p.base_url.tls) {
+        (Http2::Off, _) | (Http2::Auto, false) => o.set_http_version(1, 1),
+        (Http2::Auto, true) => o.set_http_version(2, 1),
+        // Over TLS by ALPN, in clear with prior knowledge (h2c).
+        (Http2::On, _) => o.set_http_version(2, 2),
+    }
+    if o.alpn.get_max_http_version() == 2 {
+        o.max_h2_streams = H2_STREAMS;
+    }
+    if p.base_url.tls {
+        o.ca = p.tls.ca.clone();
+        o.verify_cert = p.tls.verify;
+        o.verify_hostname = p.tls.verify;
+        peer.client_cert_key = p.tls.client.clone();
+    }
+}
+
+/// Whether `peer` may speak HTTP/2 (its connections go through Pingora's HTTP/2-aware
+/// connector rather than Sluice's HTTP/1.1 pool).
+pub fn multiplexed(peer: &HttpPeer) -> bool {
+    peer.options.alpn.get_max_http_version() == 2
+}
+
+/// What kind of transport failure ended an attempt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cause {
+    /// The name did not resolve.
+    Dns,
+    /// Nothing listens there (connection refused).
+    Refused,
+    /// No connection within the connect timeout, or no answer within the first-byte budget.
+    Timeout,
+    /// The TLS handshake failed (untrusted or invalid certificate, protocol mismatch).
+    Tls,
+    /// The connection broke or was closed while the request or answer was in transit.
+    Reset,
+    /// Any other failure to connect (no route, no local port).
+    Connect,
+}
+
+impl Cause {
+    pub const ALL: [Cause; 6] = [
+        Cause::Dns,
+        Cause::Refused,
+        Cause::Timeout,
+        Cause::Tls,
+        Cause::Reset,
+        Cause::Connect,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Cause::Dns => "dns",
+            Cause::Refused => "refused",
+            Cause::Timeout => "timeout",
+            Cause::Tls => "tls",
+            Cause::Reset => "reset",
+            Cause::Connect => "connect",
+        }
+    }
+}
+
+/// Longest failure detail kept.
+const MAX_DETAIL: usize = 200;
+
+/// The cause of a connect failure and Pingora's words for it.
+pub fn connect_failure(e: &pingora::Error) -> (Cause, String) {
+    let cause = match e.etype() {
+        ErrorType::ConnectRefused => Cause::Refused,
+        ErrorType::ConnectTimedout | ErrorType::TLSHandshakeTimedout => Cause::Timeout,
+        ErrorType::TLSWantX509Lookup
+        | ErrorType::TLSHandshakeFailure
+        | ErrorType::InvalidCert
+        | ErrorType::HandshakeError => Cause::Tls,
+        ErrorType::ConnectionClosed | ErrorType::ReadError | ErrorType::WriteError => Cause::Reset,
+        ErrorType::ReadTimedout | ErrorType::WriteTimedout => Cause::Timeout,
+        _ => Cause::Connect,
+    };
+    (cause, detail(e))
+}
+
+/// `<error type>: <context>: <cause>: <its source>…`, one line, at most [`MAX_DETAIL`]
+/// bytes. Pingora wraps a TLS failure's cause in a note of the local address, which says
+/// nothing about why; it is left out, and what it wraps is kept.
+pub fn detail(e: &pingora::Error) -> String {
+    let mut parts: Vec<String> = vec![e.etype().as_str().to_owned()];
+    if let Some(ctx) = &e.context {
+        parts.push(ctx.as_str().to_owned());
+    }
+    let mut next: Option<&(dyn std::error::Error + 'static)> = e
+        .cause
+        .as_deref()
+        .map(|c| c as &(dyn std::error::Error + 'static));
+    while let Some(c) = next {
+        let text = c.to_string();
+        if !text.starts_with("local address") && !text.is_empty() {
+            parts.push(text.trim().to_owned());
+        }
+        next = c.source();
+    }
+    parts.dedup();
+    let out: String = parts
+        .join(": ")
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    clip(out)
+}
+
+fn clip(mut out: String) -> String {
+    if out.len() > MAX_DETAIL {
+        let mut end = MAX_DETAIL;
+        while !out.is_char_boundary(end) {
+            end -= 1;
+        }
+        out.truncate(end);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pingora::Error;
+
+    #[test]
+    fn connect_errors_are_named_by_cause() {
+        let cases = [
+            (ErrorType::ConnectRefused, Cause::Refused),
+            (ErrorType::ConnectTimedout, Cause::Timeout),
+            (ErrorType::TLSHandshakeFailure, Cause::Tls),
+            (ErrorType::InvalidCert, Cause::Tls),
+            (ErrorType::ConnectionClosed, Cause::Reset),
+            (ErrorType::ConnectNoRoute, Cause::Connect),
+        ];
+        for (etype, cause) in cases {
+            let name = etype.as_str();
+            let e = Error::explain(etype, "context here");
+            assert_eq!(connect_failure(&e).0, cause, "{name}");
+        }
+    }
+
+    #[test]
+    fn the_detail_says_why_in_one_bounded_line() {
+        let e = Error::because(
+            ErrorType::TLSHandshakeFailure,
+            "handshake",
+            std::io::Error::other("invalid peer certificate: UnknownIssuer\nsecond line"),
+        );
+        let d = detail(&e);
+        assert_eq!(
+            d,
+            "TLSHandshakeFailure: handshake: invalid peer certificate: UnknownIssuer second line"
+        );
+        let long = Error::explain(ErrorType::ConnectError, "x".repeat(500));
+        assert!(detail(&long).len() <= MAX_DETAIL);
+        assert_eq!(
+            detail(&Error::new(ErrorType::ConnectRefused)),
+            "ConnectRefused"
+        );
+    }
+}
