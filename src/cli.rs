@@ -14,7 +14,7 @@ use crate::metrics::Metrics;
 use crate::proxy::access::AccessLog;
 use crate::proxy::Gateway;
 use crate::server::frontdoor::{file_limit, listen, ClientLimits, FrontDoor};
-use crate::server::handover::{Listeners, StopSignals};
+use crate::server::handover::{Listeners, Signals, StopSignals, Successor, CLAIMED};
 use crate::server::listener::TcpAppService;
 use crate::store::{Change, RedbStore, StateStore, StoreWriter, Table};
 use clap::{Parser, Subcommand};
@@ -236,15 +236,33 @@ pub fn run(
     let config = &first.snapshot.config;
     let srv = config.server.clone();
     let threads = srv.threads;
-    let mut listeners = if upgrade {
+    let (mut listeners, mut predecessor) = if upgrade {
         tracing::info!(sock = %srv.upgrade_sock, "upgrade: waiting for the running process's sockets");
         Listeners::inherit(&srv.upgrade_sock).map_err(|source| StartupError::Listen {
             addr: srv.upgrade_sock.clone(),
             source,
         })?
     } else {
-        Listeners::default()
+        (Listeners::default(), Successor::none())
     };
+    let listen_err = |addr: &str| {
+        let addr = addr.to_owned();
+        move |source| StartupError::Listen { addr, source }
+    };
+    // Every listener is claimed before the store: a predecessor lets go of the store
+    // only once its successor holds the sockets.
+    let client_sock = listeners
+        .tcp("client", &srv.listen, listen)
+        .map_err(listen_err(&srv.listen))?;
+    let admin_sock = listeners
+        .tcp("admin", &srv.admin_listen, |a| {
+            std::net::TcpListener::bind(a)
+        })
+        .map_err(listen_err(&srv.admin_listen))?;
+    for addr in listeners.close_unclaimed() {
+        tracing::warn!(%addr, "upgrade: closed an inherited listener the config no longer has");
+    }
+    predecessor.tell(CLAIMED);
     let state_path = config.state_path.clone();
     let store: Arc<dyn StateStore> = Arc::new(open_store(&state_path, reset_state, upgrade)?);
     let image = store
@@ -285,8 +303,23 @@ pub fn run(
     let (pins, leases) = engine.restore_sessions(&image);
     tracing::info!(restored, pins, leases, "state loaded");
     let outbox = crate::store::handover::dir_for(&state_path);
-    // What a predecessor forwarded while it drained (and what is left from one).
-    spawn_inbox(engine.clone(), outbox.clone(), srv.drain_timeout);
+    let handing_over = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if upgrade {
+        // What the predecessor forwards while it drains.
+        spawn_inbox(
+            engine.clone(),
+            outbox.clone(),
+            srv.drain_timeout,
+            handing_over.clone(),
+        );
+    } else {
+        // Batches no process is draining for any more (an upgrade that crashed): the
+        // store was loaded since, and they may be older than it.
+        let stale = crate::store::handover::take_inbox(&outbox).len();
+        if stale > 0 {
+            tracing::warn!(stale, dir = %outbox.display(), "state handover: dropped batches left by an earlier upgrade");
+        }
+    }
     reload::spawn_watcher(engine.clone()).map_err(|source| StartupError::Listen {
         addr: "reload watcher".into(),
         source,
@@ -305,13 +338,6 @@ pub fn run(
         max_client_connections = limits.max_connections,
         "client connection limits set"
     );
-    let listen_err = |addr: &str| {
-        let addr = addr.to_owned();
-        move |source| StartupError::Listen { addr, source }
-    };
-    let client_sock = listeners
-        .tcp("client", &srv.listen, listen)
-        .map_err(listen_err(&srv.listen))?;
     let client_addr = client_sock.local_addr().map_err(listen_err(&srv.listen))?;
     let client_svc = FrontDoor::new(
         "sluice-client",
@@ -321,11 +347,6 @@ pub fn run(
         Some(threads),
         engine.lifecycle.clone(),
     );
-    let admin_sock = listeners
-        .tcp("admin", &srv.admin_listen, |a| {
-            std::net::TcpListener::bind(a)
-        })
-        .map_err(listen_err(&srv.admin_listen))?;
     let (admin_svc, admin_addr) = TcpAppService::from_listener(
         "sluice-admin",
         admin_sock,
@@ -333,9 +354,19 @@ pub fn run(
         Some(1),
     )
     .map_err(listen_err(&srv.admin_listen))?;
-    for addr in listeners.close_unclaimed() {
-        tracing::warn!(%addr, "upgrade: closed an inherited listener the config no longer has");
-    }
+    // The stop signals are handled from before the announcement on (a signal right after
+    // it is never fatal); the streams are read once the server runs.
+    let signal_rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|source| StartupError::Listen {
+            addr: "signal handlers".into(),
+            source,
+        })?;
+    let signals = Signals::install(&signal_rt).map_err(|source| StartupError::Listen {
+        addr: "signal handlers".into(),
+        source,
+    })?;
     {
         let mut out = std::io::stdout().lock();
         let _ = writeln!(out, "LISTENING client {client_addr}");
@@ -343,14 +374,17 @@ pub fn run(
         let _ = out.flush();
     }
     tracing::info!(%client_addr, %admin_addr, upgrade, "sluice listening");
-    crate::server::notify::ready();
     let signals = StopSignals {
+        signals: std::sync::Mutex::new(Some(signals)),
         life: engine.lifecycle.clone(),
         drain_timeout: srv.drain_timeout,
         upgrade_sock: srv.upgrade_sock.clone(),
         listeners: Arc::new(std::sync::Mutex::new(listeners)),
-        store: Some(writer),
+        store: Some(writer.clone()),
+        store_path: state_path.clone(),
         outbox,
+        predecessor: std::sync::Mutex::new(predecessor),
+        handing_over,
     };
     let mut server = Server::new_with_opt_and_conf(None, server_conf(threads));
     server.bootstrap();
@@ -359,6 +393,12 @@ pub fn run(
     server.run(RunArgs {
         shutdown_signal: Box::new(signals),
     });
+    // The runtimes have stopped: nothing changes state any more. The last batch goes to
+    // the store (or, after an upgrade, to the successor).
+    let flushed = signal_rt.block_on(writer.flush());
+    if let Err(e) = flushed {
+        tracing::error!(error = %e, "state store: the last flush failed");
+    }
     Ok(())
 }
 
@@ -372,7 +412,10 @@ fn open_store(path: &Path, reset: bool, upgrade: bool) -> Result<RedbStore, Star
     loop {
         match RedbStore::open(path, reset) {
             Ok(s) => return Ok(s),
-            Err(e) if upgrade && started.elapsed() < STORE_WAIT => {
+            // Held by the predecessor until it heard that the listeners are claimed.
+            Err(e @ crate::store::StoreError::Open { .. })
+                if upgrade && started.elapsed() < STORE_WAIT =>
+            {
                 tracing::debug!(error = %e, "upgrade: the state store is still held, retrying");
                 std::thread::sleep(Duration::from_millis(50));
             }
@@ -381,14 +424,24 @@ fn open_store(path: &Path, reset: bool, upgrade: bool) -> Result<RedbStore, Star
     }
 }
 
-/// Polls the handover directory for batches a draining predecessor forwards, for as
-/// long as its drain may last (plus a minute), and applies them.
-fn spawn_inbox(engine: Arc<Engine>, dir: PathBuf, drain_timeout: Duration) {
+/// Polls the handover directory for batches the draining predecessor forwards, for as
+/// long as its drain may last (plus a minute), and applies them; stops at once when this
+/// process hands over in turn (the batches would then be its own).
+fn spawn_inbox(
+    engine: Arc<Engine>,
+    dir: PathBuf,
+    drain_timeout: Duration,
+    handing_over: Arc<std::sync::atomic::AtomicBool>,
+) {
     let until = drain_timeout + Duration::from_secs(60);
     let started = crate::clock::monotonic();
     let spawned = std::thread::Builder::new()
         .name("sluice-handover".into())
         .spawn(move || loop {
+            if handing_over.load(std::sync::atomic::Ordering::Acquire) || started.elapsed() >= until
+            {
+                return;
+            }
             for batch in crate::store::handover::take_inbox(&dir) {
                 let changes = batch.len();
                 let in_memory = engine.absorb_forwarded(batch);
@@ -397,9 +450,6 @@ fn spawn_inbox(engine: Arc<Engine>, dir: PathBuf, drain_timeout: Duration) {
                     in_memory,
                     "state handover: applied a batch from the previous process"
                 );
-            }
-            if started.elapsed() >= until {
-                return;
             }
             std::thread::sleep(Duration::from_millis(250));
         });

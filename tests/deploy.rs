@@ -144,6 +144,21 @@ fn the_kubernetes_pod_drains_within_its_grace_period_and_probes_the_admin_port()
     assert_eq!(c["readinessProbe"]["httpGet"]["port"], "admin");
     assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/health");
     assert_eq!(c["livenessProbe"]["httpGet"]["port"], "admin");
+    // The config directory is mounted whole: a subPath mount never sees ConfigMap edits.
+    for m in c["volumeMounts"].as_sequence().unwrap() {
+        assert!(m.get("subPath").is_none(), "{m:?}");
+    }
+    let items = &pod["volumes"][0]["configMap"]["items"];
+    let paths: Vec<&str> = items
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .filter_map(|i| i["path"].as_str())
+        .collect();
+    let dir = c["volumeMounts"][0]["mountPath"].as_str().unwrap();
+    assert!(paths.contains(&"sluice.yaml") && dir == "/etc/sluice");
+    let rules_dir = cfg["rules_dir"].as_str().unwrap();
+    assert!(paths.contains(&"rules/restatement.yaml") && rules_dir == "/etc/sluice/rules");
     let selector = &object(&docs, "Service")["spec"]["selector"];
     assert_eq!(
         selector,

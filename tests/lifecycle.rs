@@ -152,11 +152,11 @@ fn an_idle_gateway_exits_at_once_on_sigterm() {
 #[test]
 fn upgrade_hands_over_under_load_without_a_failed_request() {
     let mock = Mock::start(&["--chunks", "10", "--chunk-interval", "300ms"]);
-    // Answers 429 (retry in 120 s) after 1.5 s: a cooldown the old process records
+    // Answers 429 (retry in 120 s) after 6 s: a cooldown the old process records
     // during its drain, after it handed the store over.
     let slow = Mock::start_named(
         "slow",
-        &["--fault", "status=429;retry_after=120;latency=1500ms"],
+        &["--fault", "status=429;retry_after=120;latency=6s"],
     );
     let mut old = Gateway::start(&with_slow(&mock.base_url(), "", &slow.base_url()), ENV);
     let client = old.client;
@@ -218,14 +218,18 @@ fn upgrade_hands_over_under_load_without_a_failed_request() {
             .status();
     });
     let path = old.dir.0.join("sluice.yaml");
-    let mut env: Vec<(&str, &str)> =
-        vec![("SLUICE_ADMIN_TOKEN", ADMIN_TOKEN), ("SLUICE_LOG", "error")];
+    let mut env: Vec<(&str, &str)> = vec![
+        ("SLUICE_ADMIN_TOKEN", ADMIN_TOKEN),
+        ("SLUICE_LOG", "info,sluice::access=warn"),
+    ];
     env.extend_from_slice(ENV);
-    let new = Proc::spawn(
+    let new_log = old.dir.0.join("new.log");
+    let new = Proc::spawn_with_stderr(
         env!("CARGO_BIN_EXE_sluice"),
         &["run", "--upgrade", "--config", path.to_str().unwrap()],
         &env,
         &["client", "admin"],
+        std::fs::File::create(&new_log).unwrap().into(),
     );
     quit.join().unwrap();
     assert_eq!(
@@ -246,7 +250,7 @@ fn upgrade_hands_over_under_load_without_a_failed_request() {
     assert!(!events.iter().any(|e| e.data.contains("\"error\"")));
     let status = old
         .proc
-        .wait_exit(Duration::from_secs(10))
+        .wait_exit(Duration::from_secs(20))
         .expect("the old process exits once drained");
     assert!(status.success(), "{status:?}");
     assert_eq!(limited.join().unwrap().map(|r| r.status).ok(), Some(429));
@@ -259,6 +263,17 @@ fn upgrade_hands_over_under_load_without_a_failed_request() {
     assert!(
         wait_until(Duration::from_secs(3), cooling),
         "the drain's cooldown was lost"
+    );
+    // …and it came through the handover, not through the store before the swap.
+    let applied = || {
+        std::fs::read_to_string(&new_log)
+            .unwrap_or_default()
+            .contains("applied a batch from the previous process")
+    };
+    assert!(
+        wait_until(Duration::from_secs(5), applied),
+        "{}",
+        std::fs::read_to_string(&new_log).unwrap_or_default()
     );
 
     // Requests keep succeeding, now on the new process alone.
@@ -302,4 +317,59 @@ fn sigquit_without_a_successor_keeps_serving() {
         .proc
         .wait_exit(Duration::from_secs(5))
         .is_some_and(|s| s.success()));
+}
+
+#[test]
+fn a_successor_that_fails_to_start_leaves_the_old_process_serving() {
+    let mock = Mock::start(&[]);
+    let mut old = Gateway::start_logged(
+        &config(&mock.base_url(), ""),
+        &[("KEY", "k"), ("SLUICE_LOG", "info")],
+    );
+    // The successor's config points at a state file that is not a store: it claims the
+    // sockets, then cannot open its store and exits.
+    let broken = old.dir.0.join("broken.redb");
+    std::fs::write(&broken, b"not a redb file").unwrap();
+    let text = std::fs::read_to_string(old.dir.0.join("sluice.yaml"))
+        .unwrap()
+        .replace("state.redb", "broken.redb");
+    let path = old.dir.0.join("successor.yaml");
+    std::fs::write(&path, text).unwrap();
+    let mut successor = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["run", "--upgrade", "--config", path.to_str().unwrap()])
+        .env("SLUICE_ADMIN_TOKEN", ADMIN_TOKEN)
+        .env("KEY", "k")
+        .env("SLUICE_LOG", "error")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    old.proc.signal("QUIT");
+    let exited = successor.wait().unwrap();
+    assert_eq!(
+        exited.code(),
+        Some(1),
+        "the successor should fail on its store"
+    );
+    assert!(
+        wait_until(Duration::from_secs(15), || old
+            .log()
+            .contains("the new process did not start")),
+        "{}",
+        old.log()
+    );
+    assert!(
+        wait_until(Duration::from_secs(12), || old
+            .log()
+            .contains("state store taken back")),
+        "{}",
+        old.log()
+    );
+    // Still serving, store taken back, not draining.
+    assert_eq!(old.chat(std::str::from_utf8(CHAT).unwrap()).status, 200);
+    let ready = try_request(old.admin, "GET", "/ready", &[], b"").unwrap();
+    assert_eq!(ready.status, 200, "{}", ready.text());
+    assert_eq!(ready.json()["store"]["state"], "open");
+    assert!(old.proc.wait_exit(Duration::from_millis(100)).is_none());
 }

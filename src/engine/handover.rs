@@ -1,42 +1,83 @@
 //! Taking in the state a draining predecessor forwarded after it released the store
 //! (SPEC §8.1 upgrade; the files themselves are `store::handover`'s).
 //!
-//! Invariants: every forwarded change reaches this process's store (through the
-//! writer, like any other change); breaker, connection, lockout and pin upserts also
-//! reach memory, entry by entry, so the cooling key the old process saw is cooling here
-//! too. Deletes and lease rows only reach the store: this process has been serving
-//! since the handover and its own view of those is the newer one.
+//! Both processes serve during the drain, so a forwarded entry may be older than what
+//! this process learned since. Invariants: a forwarded change is applied only when it
+//! is worse news than what this process holds — a connection cooling longer, a terminal
+//! state, a model lockout lasting longer — or concerns an entry this process does not
+//! have (a pin); what is applied reaches memory and this process's store alike, so the
+//! two never disagree. The rest is dropped and counted: breaker transitions (the new
+//! process's breaker judges from its own traffic), lease and override rows, deletes.
 
+use super::state::{conn_key, lock, ConnEntry, LockEntry};
 use super::Engine;
-use crate::store::{empty_image, Change, Table};
+use crate::policy::affinity::Pin;
+use crate::store::{Change, Table};
 
 impl Engine {
-    /// Applies one forwarded batch; returns how many entries reached memory.
+    /// Applies one forwarded batch; returns how many changes were taken.
     pub fn absorb_forwarded(&self, batch: Vec<Change>) -> usize {
         let now = self.now();
-        let mut image = empty_image();
-        for c in &batch {
-            if let (Some(v), Table::Breakers | Table::Connections | Table::Lockouts | Table::Pins) =
-                (&c.value, c.table)
-            {
-                if let Some(rows) = image.get_mut(&c.table) {
-                    rows.insert(c.key.clone(), v.clone());
-                }
+        let mut taken = Vec::new();
+        for c in batch {
+            let Some(v) = &c.value else { continue };
+            let take = match c.table {
+                Table::Connections => serde_json::from_value::<ConnEntry>(v.clone())
+                    .is_ok_and(|e| self.take_connection(&c.key, e, now)),
+                Table::Lockouts => serde_json::from_value::<LockEntry>(v.clone())
+                    .is_ok_and(|e| self.take_lockout(e, now)),
+                Table::Pins => serde_json::from_value::<Pin>(v.clone()).is_ok_and(|pin| {
+                    let mut pins = lock(&self.pins);
+                    pins.get(&c.key, now).is_none() && pins.insert_restored(c.key.clone(), pin, now)
+                }),
+                Table::Breakers | Table::Leases | Table::Overrides => false,
+            };
+            if take {
+                taken.push(c);
             }
         }
-        let mut n = self.tables.restore(&image, now);
-        if let Some(rows) = image.get(&Table::Pins) {
-            let mut pins = super::state::lock(&self.pins);
-            for (k, v) in rows {
-                if let Ok(pin) = serde_json::from_value(v.clone()) {
-                    n += usize::from(pins.insert_restored(k.clone(), pin, now));
-                }
-            }
-        }
-        if let Some(w) = &self.store {
-            w.submit(batch);
+        let n = taken.len();
+        if let (Some(w), false) = (&self.store, taken.is_empty()) {
+            w.submit(taken);
         }
         n
+    }
+
+    /// A forwarded connection state replaces ours when it cools the connection longer
+    /// or makes it terminal where ours is not.
+    fn take_connection(&self, key: &str, theirs: ConnEntry, now: crate::policy::Millis) -> bool {
+        let Some((provider, connection)) = key.split_once('/') else {
+            return false;
+        };
+        debug_assert_eq!(conn_key(provider, connection), key);
+        let entry = self.tables.connection(provider, connection);
+        let mut ours = lock(&entry);
+        let worse = (theirs.state.terminal.is_some() && ours.state.terminal.is_none())
+            || theirs.state.cooling_until(now) > ours.state.cooling_until(now);
+        if worse {
+            *ours = theirs;
+        }
+        worse
+    }
+
+    /// A forwarded model lockout replaces ours when it lasts longer.
+    fn take_lockout(&self, theirs: LockEntry, now: crate::policy::Millis) -> bool {
+        if !theirs.lock.active(now) {
+            return false;
+        }
+        let (taken, _) = self.tables.with_lockout(
+            &theirs.provider,
+            &theirs.connection,
+            &theirs.model,
+            |ours| {
+                let longer = theirs.lock.until > ours.lock.until;
+                if longer {
+                    ours.lock = theirs.lock.clone();
+                }
+                longer
+            },
+        );
+        taken
     }
 }
 
@@ -68,6 +109,15 @@ mod tests {
             Change::delete(Table::Leases, "some-session"),
         ];
         assert_eq!(engine.absorb_forwarded(batch), 1);
+        // An older, milder state from the predecessor does not undo ours.
+        let mut milder = ConnEntry::default();
+        milder.state.cooled_until = T0 + 1_000;
+        let stale = vec![Change::upsert(
+            Table::Connections,
+            conn_key("p", "c"),
+            serde_json::to_value(&milder).unwrap(),
+        )];
+        assert_eq!(engine.absorb_forwarded(stale), 0);
         let entry = engine.tables.connection_if_any("p", "c").expect("entry");
         assert_eq!(
             lock(&entry).state.eligibility(T0),

@@ -149,6 +149,9 @@ impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
             return;
         };
         let mut drain = self.life.draining();
+        // The loop itself counts as in flight: a connection it accepted is counted (by
+        // `arriving`) before the drain can find nothing left.
+        let looping = self.life.enter();
         let listener = match tokio::net::TcpListener::from_std(std_listener) {
             Ok(l) => Listener::from(l),
             Err(e) => {
@@ -201,6 +204,7 @@ impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
         }
         // Accept nothing more: an upgrade's successor holds its own copy of the socket.
         drop(listener);
+        drop(looping);
         // Pingora's own service now wakes the sessions idling between requests
         // (`http_cleanup`), but that also drops a connection whose request header is
         // still arriving. So only once the server itself shuts down (after the drain):

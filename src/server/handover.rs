@@ -9,13 +9,15 @@
 //! claims is closed; every listener of this process is in the table it will hand on.
 //!
 //! [`StopSignals`] replaces Pingora's signal handling: `SIGTERM`/`SIGINT` drain, `SIGQUIT`
-//! first hands the sockets and the state store to the successor, then drains; when no
-//! successor takes the sockets, the process logs it and keeps serving. Pingora only
-//! learns of the stop once the drain is over, so its own grace period is zero.
+//! hands the sockets to the successor, then — once it says it claimed them — the state
+//! store, then drains once it says it serves (and told systemd it is the main process).
+//! When the successor does not get that far, this process keeps or takes back what it
+//! had and keeps serving. Pingora only learns of the stop once the drain is over, so its
+//! own grace period is zero.
 
 use super::lifecycle::Lifecycle;
 use crate::store::handover::Outbox;
-use crate::store::StoreWriter;
+use crate::store::{RedbStore, StoreWriter};
 use async_trait::async_trait;
 use pingora::server::{ShutdownSignal, ShutdownSignalWatch};
 use rustix::net::{
@@ -50,7 +52,7 @@ impl Listeners {
     /// most [`INHERIT_WAIT`]) for the old process, told by `SIGQUIT`, to connect and
     /// send them. The message is Pingora's: the addresses separated by spaces, the
     /// sockets as `SCM_RIGHTS` in the same order.
-    pub fn inherit(sock: &str) -> std::io::Result<Listeners> {
+    pub fn inherit(sock: &str) -> std::io::Result<(Listeners, Successor)> {
         let _ = std::fs::remove_file(sock);
         let server = UnixListener::bind(sock).map_err(|e| {
             std::io::Error::other(format!("cannot listen on the upgrade socket {sock}: {e}"))
@@ -101,10 +103,11 @@ impl Listeners {
                 fds.len()
             )));
         }
-        Ok(Listeners {
+        let listeners = Listeners {
             inherited: names.into_iter().map(str::to_owned).zip(fds).collect(),
             held: Vec::new(),
-        })
+        };
+        Ok((listeners, Successor(Some(conn))))
     }
 
     /// The `role` listener (`client`, `admin`) for `addr` as configured: the inherited
@@ -142,7 +145,7 @@ impl Listeners {
 
     /// Hands every held socket to the process waiting on `sock` (retrying for a few
     /// seconds while it is not listening yet).
-    fn send(&self, sock: &str, wait: Duration) -> std::io::Result<usize> {
+    fn send(&self, sock: &str, wait: Duration) -> std::io::Result<UnixStream> {
         let waited = crate::clock::monotonic();
         let conn = loop {
             match UnixStream::connect(sock) {
@@ -168,46 +171,125 @@ impl Listeners {
                 "too many listening sockets to hand over",
             ));
         }
-        let sent = sendmsg(
+        sendmsg(
             &conn,
             &[IoSlice::new(names.as_bytes())],
             &mut control,
             SendFlags::empty(),
         )?;
-        Ok(sent)
+        Ok(conn)
+    }
+}
+
+/// The successor's side of the upgrade connection: it tells the old process how far it
+/// got, so the old one gives nothing up before the new one can take it.
+pub struct Successor(Option<UnixStream>);
+
+/// The successor claimed every listener: the old process may release the store.
+pub const CLAIMED: u8 = 1;
+/// The successor opened the store, serves and told systemd it is the main process: the
+/// old process may drain.
+pub const SERVING: u8 = 2;
+
+impl Successor {
+    /// Not an upgrade: nothing to tell.
+    pub fn none() -> Self {
+        Successor(None)
+    }
+
+    /// Tells the predecessor `stage` ([`CLAIMED`], then [`SERVING`]).
+    pub fn tell(&mut self, stage: u8) {
+        use std::io::Write;
+        if let Some(conn) = &mut self.0 {
+            if let Err(e) = conn.write_all(&[stage]) {
+                tracing::warn!(error = %e, stage, "upgrade: cannot tell the previous process");
+            }
+        }
+        if stage == SERVING {
+            self.0 = None;
+        }
+    }
+}
+
+/// Waits up to `limit` for the successor to say `stage`.
+fn heard(conn: &mut UnixStream, stage: u8, limit: Duration) -> bool {
+    use std::io::Read;
+    let mut b = [0u8; 1];
+    conn.set_read_timeout(Some(limit)).is_ok() && conn.read_exact(&mut b).is_ok() && b[0] == stage
+}
+
+/// The stop signals' streams, installed before the process announces itself: from
+/// then on `SIGTERM`/`SIGINT`/`SIGQUIT` are never the default (fatal) action, and one
+/// that arrives before the server runs is still seen once it does.
+pub struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    quit: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    /// Installs the handlers within `rt` (any runtime with I/O enabled; the streams are
+    /// read later on Pingora's).
+    pub fn install(rt: &tokio::runtime::Runtime) -> std::io::Result<Signals> {
+        let _guard = rt.enter();
+        Ok(Signals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+            quit: signal(SignalKind::quit())?,
+        })
     }
 }
 
 /// What the stop signals act on.
 pub struct StopSignals {
+    pub signals: Mutex<Option<Signals>>,
     pub life: Arc<Lifecycle>,
     pub drain_timeout: Duration,
     pub upgrade_sock: String,
     pub listeners: Arc<Mutex<Listeners>>,
     pub store: Option<StoreWriter>,
+    /// The state store's file, to take back when a successor fails to start.
+    pub store_path: PathBuf,
     /// Where the store's changes go once it was handed to a successor.
     pub outbox: PathBuf,
+    /// This process's predecessor, told [`SERVING`] once the signal handlers are in place.
+    pub predecessor: Mutex<Successor>,
+    /// Set at the hand-over: this process stops taking in a predecessor's batches (they
+    /// would be its own).
+    pub handing_over: Arc<std::sync::atomic::AtomicBool>,
 }
+
+/// How long the old process waits for its successor to open the store and serve (the
+/// successor waits up to 30 s for the store itself).
+const SUCCESSOR_START: Duration = Duration::from_secs(45);
 
 /// How long streams get to write their `shutdown` event after the drain deadline.
 const LAST_WORDS: Duration = Duration::from_secs(3);
 
 impl StopSignals {
-    /// `SIGQUIT`: sockets first (the successor is waiting on them), then the store.
-    /// False when no successor took the sockets: then this process keeps serving.
+    /// `SIGQUIT`: sockets first (the successor is waiting on them), then — once it says
+    /// it claimed them — the store, then the drain once it says it serves. False when
+    /// the successor did not get that far: then this process keeps (or takes back) what
+    /// it had and keeps serving.
     async fn hand_over(&self) -> bool {
         let listeners = Arc::clone(&self.listeners);
         let sock = self.upgrade_sock.clone();
         let sent = tokio::task::spawn_blocking(move || {
-            listeners
+            let mut conn = listeners
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .send(&sock, INHERIT_WAIT)
+                .send(&sock, INHERIT_WAIT)?;
+            let claimed = heard(&mut conn, CLAIMED, INHERIT_WAIT);
+            Ok::<_, std::io::Error>((conn, claimed))
         })
         .await;
-        match sent {
-            Ok(Ok(_)) => {
-                tracing::info!(sock = %self.upgrade_sock, "upgrade: listening sockets handed over")
+        let mut conn = match sent {
+            Ok(Ok((conn, true))) => conn,
+            Ok(Ok((_, false))) => {
+                tracing::error!(
+                    "upgrade failed: the new process did not claim the listeners; still serving"
+                );
+                return false;
             }
             Ok(Err(e)) => {
                 tracing::error!(error = %e, "upgrade failed: still serving (start `sluice run --upgrade` first, then send SIGQUIT)");
@@ -217,7 +299,10 @@ impl StopSignals {
                 tracing::error!(error = %e, "upgrade failed: still serving");
                 return false;
             }
-        }
+        };
+        tracing::info!(sock = %self.upgrade_sock, "upgrade: listening sockets handed over");
+        self.handing_over
+            .store(true, std::sync::atomic::Ordering::Release);
         if let Some(w) = &self.store {
             let outbox = Arc::new(Outbox::new(self.outbox.clone()));
             match w.swap_store(outbox).await {
@@ -228,7 +313,56 @@ impl StopSignals {
                 Err(e) => tracing::error!(error = %e, "upgrade: the state store handover failed"),
             }
         }
+        let serving =
+            tokio::task::spawn_blocking(move || heard(&mut conn, SERVING, SUCCESSOR_START))
+                .await
+                .unwrap_or(false);
+        if !serving {
+            tracing::error!("upgrade failed: the new process did not start; taking the state store back, still serving");
+            self.take_store_back().await;
+            self.handing_over
+                .store(false, std::sync::atomic::Ordering::Release);
+            return false;
+        }
         true
+    }
+
+    /// After a failed upgrade: reopens the store file and writes to it again, with the
+    /// batches that went to the outbox meanwhile.
+    async fn take_store_back(&self) {
+        let Some(w) = &self.store else { return };
+        let path = self.store_path.clone();
+        let reopened = tokio::task::spawn_blocking(move || {
+            let started = crate::clock::monotonic();
+            loop {
+                match RedbStore::open(&path, false) {
+                    Ok(s) => return Ok(s),
+                    Err(e) if started.elapsed() < Duration::from_secs(10) => {
+                        tracing::debug!(error = %e, "taking the state store back: retrying");
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        })
+        .await;
+        match reopened {
+            Ok(Ok(store)) => {
+                match w.swap_store(Arc::new(store)).await {
+                    Ok(()) => tracing::info!("upgrade: state store taken back"),
+                    Err(e) => {
+                        tracing::error!(error = %e, "the state store could not be taken back")
+                    }
+                }
+                for batch in crate::store::handover::take_inbox(&self.outbox) {
+                    w.submit(batch);
+                }
+            }
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, "the state store could not be reopened; state stays in memory")
+            }
+            Err(e) => tracing::error!(error = %e, "the state store could not be reopened"),
+        }
     }
 
     /// Drains; false when a second signal cut it short.
@@ -259,11 +393,6 @@ impl StopSignals {
                 _ = &mut again => return false,
             }
         }
-        if let Some(w) = &self.store {
-            if let Err(e) = w.flush().await {
-                tracing::error!(error = %e, "state store: the last flush failed");
-            }
-        }
         tracing::info!("drained; exiting");
         true
     }
@@ -272,14 +401,27 @@ impl StopSignals {
 #[async_trait]
 impl ShutdownSignalWatch for StopSignals {
     async fn recv(&self) -> ShutdownSignal {
-        let (Ok(mut term), Ok(mut int), Ok(mut quit)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-            signal(SignalKind::quit()),
-        ) else {
-            tracing::error!("cannot install the stop signal handlers");
+        let taken = self
+            .signals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        let Some(Signals {
+            mut term,
+            mut int,
+            mut quit,
+        }) = taken
+        else {
+            tracing::error!("the stop signal handlers are gone");
             return std::future::pending().await;
         };
+        // Serving, and a stop signal is handled from here on: tell systemd, and an
+        // upgrade's predecessor, which may now drain.
+        super::notify::ready();
+        self.predecessor
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .tell(SERVING);
         loop {
             let upgrade = tokio::select! {
                 _ = term.recv() => false,
@@ -296,20 +438,22 @@ impl ShutdownSignalWatch for StopSignals {
                 break;
             }
         }
+        // While draining only a second SIGINT (Ctrl-C) cuts the drain short: `systemctl
+        // stop` during an upgrade's drain sends SIGTERM to both processes, and the old
+        // one must go on finishing its streams.
         let again = async {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
-                _ = quit.recv() => {}
+            loop {
+                tokio::select! {
+                    _ = int.recv() => return,
+                    _ = term.recv() => tracing::info!("SIGTERM while draining: already draining"),
+                    _ = quit.recv() => tracing::info!("SIGQUIT while draining: already draining"),
+                }
             }
         };
         if self.drain(again).await {
             ShutdownSignal::GracefulTerminate
         } else {
-            tracing::warn!("second stop signal: exiting now");
-            if let Some(w) = &self.store {
-                let _ = tokio::time::timeout(Duration::from_secs(1), w.flush()).await;
-            }
+            tracing::warn!("second SIGINT: exiting now");
             ShutdownSignal::FastShutdown
         }
     }
@@ -337,7 +481,7 @@ mod tests {
             std::thread::spawn(move || Listeners::inherit(&sock))
         };
         old.send(&sock, INHERIT_WAIT).unwrap();
-        let mut new = receiver.join().unwrap().unwrap();
+        let (mut new, _successor) = receiver.join().unwrap().unwrap();
         let got_admin = new
             .tcp("admin", "127.0.0.1:0", |_| {
                 panic!("admin must be inherited")

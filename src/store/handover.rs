@@ -6,7 +6,7 @@
 //! file in the handover directory next to the store; the new process reads them with
 //! [`take_inbox`] and applies them to its own store and memory. Invariants: a batch file
 //! appears whole or not at all (written under a temporary name, then renamed); batches
-//! are read in the order they were written (names sort by pid, then sequence); a file is
+//! are read in the order they were written (names sort by time, pid, sequence); a file is
 //! removed only after it was read and parsed; an unreadable one is moved aside with a
 //! warning, never applied half.
 
@@ -50,7 +50,13 @@ impl StateStore for Outbox {
         let io = |e: std::io::Error| StoreError::Io(format!("{}: {e}", self.dir.display()));
         std::fs::create_dir_all(&self.dir).map_err(io)?;
         let n = self.seq.fetch_add(1, Ordering::Relaxed);
-        let name = format!("{:010}-{n:08}.json", std::process::id());
+        // Names sort by time, then writer and sequence: the order batches were written,
+        // also across processes (pids do not grow with time).
+        let name = format!(
+            "{:013}-{:010}-{n:08}.json",
+            crate::clock::unix_ms(),
+            std::process::id()
+        );
         let rows: Vec<Value> = changes
             .iter()
             .map(|c| json!({"table": c.table.as_str(), "key": c.key, "value": c.value}))
