@@ -31,11 +31,18 @@ lint:
 	./scripts/check-purity.sh --self-test
 	./scripts/check-purity.sh
 
-## Validate the shipped configs.
+## Validate the shipped configs and the operator kit: the Kubernetes manifest, the
+## dashboard and the alert rules against what the gateway exports (tests/deploy.rs), and
+## the rules with promtool (syntax and their unit tests) when it is installed.
 check:
 	$(CARGO) run --quiet --bin sluice -- check --config conf/demo.yaml
 	SLUICE_KEY_TEAM_A=example OPENAI_KEY_1=example OPENAI_KEY_2=example ANTHROPIC_KEY=example \
 		$(CARGO) run --quiet --bin sluice -- check --config conf/sluice.yaml
+	$(CARGO) test --quiet --test deploy
+	@if command -v promtool >/dev/null; then \
+		promtool check rules deploy/prometheus/alerts.yaml && \
+		promtool test rules deploy/prometheus/alerts_test.yaml; \
+	else echo "check: promtool not installed; alert rules checked by tests/deploy.rs only"; fi
 
 ## Side-by-side benchmark: direct mock vs the bare Pingora floor vs Sluice (vs nginx when
 ## installed), CPU µs per request for each gateway; then 1,000 and 8,000

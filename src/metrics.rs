@@ -32,6 +32,9 @@ pub struct Metrics {
     pub store_write_errors_total: prometheus::IntCounter,
 }
 
+/// `sluice_queue_rejections_total{reason}` values.
+pub const QUEUE_REJECTIONS: [&str; 2] = ["queue_full", "queue_timeout"];
+
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
     600.0,
@@ -164,6 +167,14 @@ impl Metrics {
         // works before the first reload; startup itself is not a reload.
         for result in ["ok", "error"] {
             config_reloads_total.with_label_values(&[result]);
+        }
+        // Likewise every stream abort reason and queue rejection: alert rules on their
+        // rates see a zero instead of no series at all.
+        for reason in crate::codes::AbortReason::ALL {
+            stream_aborts_total.with_label_values(&[reason.as_str()]);
+        }
+        for reason in QUEUE_REJECTIONS {
+            queue_rejections_total.with_label_values(&[reason]);
         }
         for c in [
             Box::new(requests_total.clone()) as Box<dyn prometheus::core::Collector>,

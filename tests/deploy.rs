@@ -1,7 +1,8 @@
 //! The operator kit in `deploy/` holds together: the Kubernetes manifest's config and
 //! rules pass `sluice check`, its probes and grace period fit the gateway's drain, every
-//! secret the config names is in the Secret, and the systemd unit's reload is the
-//! zero-downtime upgrade of SPEC §8.1.
+//! secret the config names is in the Secret, the systemd unit's reload is the
+//! zero-downtime upgrade of SPEC §8.1, and every metric and label the Grafana dashboard
+//! and the Prometheus alert rules use is one a running gateway exports.
 
 // Integration tests: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -196,4 +197,125 @@ fn the_systemd_unit_reloads_by_upgrade_and_outlasts_the_drain() {
         stop > Duration::from_secs(600),
         "TimeoutStopSec {stop:?} cuts the default 10 min drain"
     );
+}
+
+/// Every `sluice_*` metric name in `text`.
+fn metric_names(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("sluice_") {
+        let tail = &rest[i..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        out.push(tail[..end].to_owned());
+        rest = &tail[end..];
+    }
+    out
+}
+
+/// The label names an expression groups or filters by: `by (a, b)` and `{a=…, b=~…}`.
+fn label_names(expr: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for (open, close) in [("by (", ')'), ("{", '}')] {
+        let mut rest = expr;
+        while let Some(i) = rest.find(open) {
+            let tail = &rest[i + open.len()..];
+            let end = tail.find(close).unwrap_or(tail.len());
+            for part in tail[..end].split(',') {
+                let name: String = part
+                    .trim()
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                // `{{ $labels.x }}` templates and `$__rate_interval` are not labels.
+                if !name.is_empty() && !part.contains('$') {
+                    out.push(name);
+                }
+            }
+            rest = &tail[end..];
+        }
+    }
+    out
+}
+
+/// The `expr` of every dashboard target and every alert rule.
+fn kit_exprs() -> Vec<(String, String)> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy");
+    let dash: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("grafana/sluice-dashboard.json")).unwrap(),
+    )
+    .expect("the dashboard is JSON");
+    let mut out = Vec::new();
+    for p in dash["panels"].as_array().unwrap() {
+        let targets = p["targets"].as_array().unwrap();
+        assert!(!targets.is_empty(), "panel {} has no query", p["title"]);
+        for t in targets {
+            out.push((
+                format!("panel {}", p["title"]),
+                t["expr"].as_str().unwrap().to_owned(),
+            ));
+        }
+    }
+    let rules: Value = serde_yaml::from_str(
+        &std::fs::read_to_string(root.join("prometheus/alerts.yaml")).unwrap(),
+    )
+    .unwrap();
+    for g in rules["groups"].as_sequence().unwrap() {
+        for r in g["rules"].as_sequence().unwrap() {
+            out.push((
+                format!("alert {}", r["alert"].as_str().unwrap()),
+                r["expr"].as_str().unwrap().to_owned(),
+            ));
+        }
+    }
+    out
+}
+
+#[test]
+fn the_dashboard_and_alerts_use_only_metrics_and_labels_the_gateway_exports() {
+    let mock = common::Mock::start(&[]);
+    let yaml = format!(
+        "{}providers:\n  - id: p\n    base_url: \"{}\"\n    api: openai\n    connections:\n      - {{ id: c, api_key_env: KEY }}\nmodels:\n  - name: m\n    targets:\n      - {{ provider: p, model: up }}\n",
+        common::gw::server_section(""),
+        mock.base_url()
+    );
+    let gw = common::gw::Gateway::start(&yaml, &[("KEY", "k")]);
+    assert_eq!(gw.chat(r#"{"model":"m","messages":[]}"#).status, 200);
+    let scrape = common::request(gw.admin, "GET", "/metrics", &[], b"").text();
+    // name → label names seen on its series (histograms: the family and its parts).
+    let mut exported: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> =
+        Default::default();
+    for line in scrape.lines().filter(|l| l.starts_with("sluice_")) {
+        let name_end = line.find(['{', ' ']).unwrap();
+        let name = &line[..name_end];
+        let labels = exported.entry(name.to_owned()).or_default();
+        if line[name_end..].starts_with('{') {
+            let inner = &line[name_end + 1..line.find('}').unwrap()];
+            for kv in inner.split(',') {
+                if let Some((k, _)) = kv.split_once('=') {
+                    labels.insert(k.to_owned());
+                }
+            }
+        }
+    }
+    let exprs = kit_exprs();
+    assert!(exprs.len() >= 15, "{} queries", exprs.len());
+    for (what, expr) in &exprs {
+        let names = metric_names(expr);
+        assert!(!names.is_empty(), "{what}: no sluice metric in {expr}");
+        let mut labels_here = std::collections::BTreeSet::new();
+        for n in &names {
+            let labels = exported
+                .get(n)
+                .unwrap_or_else(|| panic!("{what}: {n} is not exported by the gateway\n{scrape}"));
+            labels_here.extend(labels.iter().cloned());
+        }
+        for l in label_names(expr) {
+            assert!(
+                labels_here.contains(&l),
+                "{what}: no metric of {expr} has a label {l:?}"
+            );
+        }
+    }
 }
