@@ -52,6 +52,22 @@ const ENV: &[(&str, &str)] = &[("KEY", "lifecycle-key")];
 const STREAM: &[u8] = br#"{"model":"m","stream":true,"messages":[]}"#;
 const CHAT: &[u8] = br#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
 
+/// The events of a stream that ended as the upstream framed it: `[DONE]` last, no error.
+fn completed(body: &[u8]) -> Vec<common::SseEvent> {
+    let events = parse_sse(body);
+    let text = String::from_utf8_lossy(body);
+    assert_eq!(
+        events.last().map(|e| e.data.as_str()),
+        Some("[DONE]"),
+        "{text}"
+    );
+    assert!(
+        !events.iter().any(|e| e.data.contains("\"error\"")),
+        "{text}"
+    );
+    events
+}
+
 fn ready_status(admin: SocketAddr) -> Option<u16> {
     try_request(admin, "GET", "/ready", &[], b"")
         .ok()
@@ -82,14 +98,7 @@ fn a_stream_in_flight_survives_sigterm_and_completes() {
         "a new request was served while draining: {late:?}"
     );
     body.extend(s.read_to_end(Duration::from_secs(5)));
-    let events = parse_sse(&body);
-    assert_eq!(
-        events.last().map(|e| e.data.as_str()),
-        Some("[DONE]"),
-        "{}",
-        String::from_utf8_lossy(&body)
-    );
-    assert!(!events.iter().any(|e| e.data.contains("\"error\"")));
+    let events = completed(&body);
     let chunks = events.iter().filter(|e| e.data != "[DONE]").count();
     assert!(chunks >= 20, "{chunks} chunks: not every one arrived");
     let status = gw
@@ -240,14 +249,7 @@ fn upgrade_hands_over_under_load_without_a_failed_request() {
 
     // The stream started on the old process completes there.
     body.extend(s.read_to_end(Duration::from_secs(10)));
-    let events = parse_sse(&body);
-    assert_eq!(
-        events.last().map(|e| e.data.as_str()),
-        Some("[DONE]"),
-        "{}",
-        String::from_utf8_lossy(&body)
-    );
-    assert!(!events.iter().any(|e| e.data.contains("\"error\"")));
+    completed(&body);
     let status = old
         .proc
         .wait_exit(Duration::from_secs(20))

@@ -115,7 +115,7 @@ pub struct RawModel {
 #[serde(deny_unknown_fields)]
 pub struct RawTarget {
     pub provider: String,
-    pub model: String,
+    pub model: Option<String>,
     pub connection: Option<String>,
     pub weight: Option<u32>,
     pub cost: Option<f64>,

@@ -286,6 +286,14 @@ pub struct Model {
     pub targets: Vec<Target>,
 }
 
+impl Model {
+    /// A name with a trailing `*` (`claude-*`) matches every client model id that extends
+    /// its prefix; its targets may leave `model` empty to pass the client's id on.
+    pub fn is_pattern(&self) -> bool {
+        self.name.ends_with('*')
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct BreakerClass {
     pub degrade_at: u32,

@@ -66,6 +66,8 @@ pub struct Snapshot {
     pub sources: Sources,
     pub base: Option<Arc<BaseConfig>>,
     models: HashMap<String, usize>,
+    /// Pattern models (`claude-*`): (prefix before the `*`, index), longest prefix first.
+    patterns: Vec<(String, usize)>,
     clients: HashMap<String, usize>,
     routing: Vec<Mutex<ModelRouting>>,
     /// Credential fingerprint per [provider][connection].
@@ -104,8 +106,17 @@ impl Snapshot {
             .models
             .iter()
             .enumerate()
+            .filter(|(_, m)| !m.is_pattern())
             .map(|(i, m)| (m.name.clone(), i))
             .collect();
+        let mut patterns: Vec<(String, usize)> = config
+            .models
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.is_pattern())
+            .map(|(i, m)| (m.name.trim_end_matches('*').to_owned(), i))
+            .collect();
+        patterns.sort_by_key(|p| std::cmp::Reverse(p.0.len()));
         let clients = config
             .clients
             .iter()
@@ -194,6 +205,7 @@ impl Snapshot {
             sources,
             base,
             models,
+            patterns,
             clients,
             routing,
             fingerprints,
@@ -306,8 +318,32 @@ impl Snapshot {
         self.fingerprint(pi, ci)
     }
 
+    /// The model a client's name resolves to: the exact name, else the longest pattern
+    /// whose prefix it extends (SPEC §6).
     pub fn model_index(&self, name: &str) -> Option<usize> {
-        self.models.get(name).copied()
+        if let Some(i) = self.models.get(name) {
+            return Some(*i);
+        }
+        self.patterns
+            .iter()
+            .find(|(prefix, _)| name.len() > prefix.len() && name.starts_with(prefix.as_str()))
+            .map(|(_, i)| *i)
+    }
+
+    /// The upstream model of `target` of `model` for a client that asked for `asked`: the
+    /// target's own, or — a pattern's target without one — the client's id, after the
+    /// pattern's prefix when that ends in `/` (`openai/*` sends `gpt-4o` for `openai/gpt-4o`).
+    pub fn upstream_model<'a>(&'a self, model: usize, target: usize, asked: &'a str) -> &'a str {
+        let m = &self.config.models[model];
+        let t = &m.targets[target].model;
+        if !t.is_empty() {
+            return t;
+        }
+        let prefix = m.name.trim_end_matches('*');
+        match asked.strip_prefix(prefix) {
+            Some(rest) if prefix.ends_with('/') => rest,
+            _ => asked,
+        }
     }
 
     /// The client owning `key`, looked up by the key's SHA-256.

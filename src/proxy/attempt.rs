@@ -261,8 +261,11 @@ async fn send(
     let cfg = &call.req.snap.config;
     let p = &cfg.providers[call.pick.provider];
     let conn = &p.connections[call.pick.connection];
-    let target = &cfg.models[call.req.model].targets[call.pick.target];
-    let body = call.req.body.with_model(&target.model);
+    let upstream_model =
+        call.req
+            .snap
+            .upstream_model(call.req.model, call.pick.target, &call.req.body.model);
+    let body = call.req.body.with_model(upstream_model);
     let Ok(req) =
         upstream::request_header(call.req.header, call.req.route.path(), p, conn, body.len())
     else {

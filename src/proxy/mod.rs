@@ -99,6 +99,8 @@ impl Gateway {
             .config
             .models
             .iter()
+            // Patterns are not model ids a client could list and pick.
+            .filter(|m| !m.is_pattern())
             .map(|m| json!({"id": m.name, "object": "model", "created": 0, "owned_by": "sluice"}))
             .collect();
         let body = serde_json::to_vec(&json!({"object": "list", "data": data})).unwrap_or_default();

@@ -458,7 +458,9 @@ fn names(req: &Request<'_>, pick: Pick) -> (String, String, String) {
     (
         p.id.clone(),
         p.connections[pick.connection].id.clone(),
-        cfg.models[req.model].targets[pick.target].model.clone(),
+        req.snap
+            .upstream_model(req.model, pick.target, &req.body.model)
+            .to_owned(),
     )
 }
 

@@ -632,8 +632,17 @@ impl Validator<'_> {
             let Some(raw) = self.item::<RawModel>(value, &path) else {
                 continue;
             };
-            if raw.name.is_empty() {
-                self.err(&join(&path, "name"), "must not be empty");
+            let pattern = raw.name.ends_with('*');
+            if raw.name.is_empty() || raw.name == "*" {
+                self.err(&join(&path, "name"), "must not be empty (nor `*` alone)");
+            } else if raw.name.trim_end_matches('*').contains('*') || raw.name.ends_with("**") {
+                self.err(
+                    &join(&path, "name"),
+                    format!(
+                        "{:?}: a pattern has one `*`, at the end (e.g. \"claude-*\")",
+                        raw.name
+                    ),
+                );
             } else if !seen.insert(raw.name.clone()) {
                 self.err(
                     &join(&path, "name"),
@@ -693,9 +702,22 @@ impl Validator<'_> {
                         }
                     },
                 };
-                if t.model.is_empty() {
-                    self.err(&join(&tpath, "model"), "must not be empty");
-                }
+                let model = match t.model {
+                    Some(m) if m.is_empty() => {
+                        self.err(&join(&tpath, "model"), "must not be empty");
+                        m
+                    }
+                    Some(m) => m,
+                    // The client's own id (SPEC §6 patterns).
+                    None if pattern => String::new(),
+                    None => {
+                        self.err(
+                            &join(&tpath, "model"),
+                            "required (only the targets of a pattern model like \"claude-*\" may leave it out)",
+                        );
+                        String::new()
+                    }
+                };
                 let weight = t.weight.unwrap_or(1);
                 if !(1..=10_000).contains(&weight) {
                     self.err(&join(&tpath, "weight"), "must be between 1 and 10000");
@@ -707,7 +729,7 @@ impl Validator<'_> {
                 }
                 targets.push(Target {
                     provider: pi,
-                    model: t.model,
+                    model,
                     connection,
                     weight,
                     cost: t.cost,
