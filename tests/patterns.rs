@@ -37,6 +37,9 @@ models:
   - name: \"openai/*\"
     targets:
       - {{ provider: p }}
+  - name: \"anthropic/claude-*\"
+    targets:
+      - {{ provider: q }}
   - name: plain
     targets:
       - {{ provider: p, model: gpt-plain }}
@@ -101,7 +104,9 @@ fn a_pattern_passes_the_clients_own_model_id_upstream() {
     assert_eq!(status, 200);
     assert_eq!(seen, "gpt-4o");
     assert_eq!(header.as_deref(), Some("gpt-4o"));
-    assert_eq!(q.route_count("/v1/messages"), 1);
+    // `anthropic/claude-*`: what follows the prefix's last `/`.
+    assert_eq!(messages(&gw, "anthropic/claude-opus-4").1, "claude-opus-4");
+    assert_eq!(q.route_count("/v1/messages"), 2);
     assert_eq!(p.route_count("/v1/chat/completions"), 1);
 }
 
@@ -117,6 +122,12 @@ fn exact_names_win_then_the_longest_pattern() {
     assert_eq!(messages(&gw, "claude-").0, 404);
     assert_eq!(chat(&gw, "gpt-4o").0, 404);
     assert_eq!(chat(&gw, "openai/").0, 404);
+    // An id a pattern would pass on upstream (and into `x-sluice-model`) is plain and
+    // bounded: control characters, spaces or 201+ bytes are no model.
+    assert_eq!(messages(&gw, "claude-x\\u0001").0, 404);
+    assert_eq!(messages(&gw, "claude-x y").0, 404);
+    assert_eq!(messages(&gw, &format!("claude-{}", "x".repeat(200))).0, 404);
+    assert_eq!(messages(&gw, &format!("claude-{}", "x".repeat(150))).0, 200);
 }
 
 #[test]
@@ -160,4 +171,13 @@ fn only_a_patterns_targets_may_leave_out_the_model() {
     assert!(text.contains("models[0].name"), "{text}");
     let (code, text) = check("  - name: \"claude-*\"\n    targets: [ { provider: p } ]\n");
     assert_eq!(code, Some(0), "{text}");
+    // A fallback keeps the client's id: a pattern would send it to the wrong provider.
+    let (code, text) = check(
+        "  - name: \"claude-*\"\n    targets: [ { provider: p } ]\nemergency_fallback: \"claude-*\"\n",
+    );
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("emergency_fallback") && text.contains("pattern"),
+        "{text}"
+    );
 }

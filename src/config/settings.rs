@@ -261,6 +261,9 @@ fn check(s: &Setting, v: &Value, cfg: &Config) -> Result<Value, String> {
         Kind::ModelOrNull => match v {
             Value::Null => Ok(Value::Null),
             Value::String(m) if m.is_empty() || m == "null" => Ok(Value::Null),
+            Value::String(m) if m.ends_with('*') => Err(format!(
+                "{m:?} is a pattern; the fallback must be an exact model name"
+            )),
             Value::String(m) if cfg.model(m).is_some() => Ok(Value::from(m.clone())),
             Value::String(m) => Err(format!("unknown model {m:?}")),
             _ => Err("must be a model name or null".into()),

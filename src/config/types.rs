@@ -227,6 +227,9 @@ pub struct UpstreamTls {
     pub ca: Option<std::sync::Arc<pingora::protocols::tls::CaType>>,
     pub client: Option<std::sync::Arc<pingora::utils::tls::CertKey>>,
     pub verify: bool,
+    /// A hash of the certificates, key and `verify` as loaded: connections made under
+    /// other TLS settings (before a reload changed them) are never reused.
+    pub fingerprint: u64,
 }
 
 impl Default for UpstreamTls {
@@ -235,6 +238,7 @@ impl Default for UpstreamTls {
             ca: None,
             client: None,
             verify: true,
+            fingerprint: 0,
         }
     }
 }

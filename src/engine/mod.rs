@@ -57,6 +57,9 @@ pub struct BaseConfig {
 /// Bound on re-evaluations when other requests win races for the same permits.
 const MAX_SELECT_ROUNDS: usize = 4;
 
+/// Longest client model id a pattern accepts.
+const MAX_PATTERN_ID: usize = 200;
+
 /// One immutable generation of config and rules, plus the routing state that belongs to it.
 pub struct Snapshot {
     pub config: Config,
@@ -324,6 +327,11 @@ impl Snapshot {
         if let Some(i) = self.models.get(name) {
             return Some(*i);
         }
+        // A pattern passes the client's id on (upstream, and in `x-sluice-model`): only
+        // plain, bounded ids qualify.
+        if name.len() > MAX_PATTERN_ID || !name.bytes().all(|b| b.is_ascii_graphic()) {
+            return None;
+        }
         self.patterns
             .iter()
             .find(|(prefix, _)| name.len() > prefix.len() && name.starts_with(prefix.as_str()))
@@ -339,10 +347,11 @@ impl Snapshot {
         if !t.is_empty() {
             return t;
         }
+        // `openai/*` and `anthropic/claude-*` send what follows the prefix's last `/`.
         let prefix = m.name.trim_end_matches('*');
-        match asked.strip_prefix(prefix) {
-            Some(rest) if prefix.ends_with('/') => rest,
-            _ => asked,
+        match prefix.rfind('/') {
+            Some(slash) => asked.get(slash + 1..).unwrap_or(asked),
+            None => asked,
         }
     }
 

@@ -304,7 +304,10 @@ impl Engine {
             } => {
                 let lcfg = LockoutConfig::from_config(&cfg.resilience.model_lockout);
                 // A concurrency limit is a 1 s connection matter (SPEC §5.3), never a lock.
+                // A pattern's target without `model:` serves every id its clients send; one
+                // client's bad id must not lock the connection for all of them.
                 if !lcfg.error_codes.contains(status)
+                    || t.model.is_empty()
                     || class.terminal.is_some()
                     || class.scope == Scope::Request
                     || class.reason == Reason::ConcurrencyLimited

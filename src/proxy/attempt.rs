@@ -236,13 +236,10 @@ fn session_of(
     match w {
         Wait::Ready(Ok(got)) => Ok(got),
         Wait::Ready(Err(e)) => {
+            // A connect timeout is a connect failure (502); only a missing first byte
+            // is an upstream timeout (504). The cause still says `timeout`.
             let (cause, what) = transport::connect_failure(&e);
-            let kind = if cause == Cause::Timeout {
-                TransportKind::Timeout
-            } else {
-                TransportKind::Connect
-            };
-            Err(broken(kind, cause, what))
+            Err(broken(TransportKind::Connect, cause, what))
         }
         Wait::TimedOut => Err(AttemptEnd::Deadline),
         Wait::ClientGone => Err(AttemptEnd::ClientGone),
@@ -298,12 +295,16 @@ async fn send(
         Wait::Ready(Ok(())) => {}
         Wait::Ready(Err(e)) => {
             let at_once = written_at.elapsed() < STALE_WINDOW;
-            let what = if matches!(e.retry, RetryType::ReusedOnly) && at_once {
-                STALE
-            } else {
-                CONN_FAILED
-            };
-            return Err(broken(TransportKind::Reset, Cause::Reset, what));
+            // A pooled HTTP/1.1 connection closed as it was taken, or an HTTP/2 one the
+            // upstream sent GOAWAY / REFUSED_STREAM on (Pingora marks those retryable):
+            // the request never reached the provider.
+            let stale = (matches!(e.retry, RetryType::ReusedOnly) && at_once)
+                || matches!(e.retry, RetryType::Decided(true));
+            if stale {
+                return Err(broken(TransportKind::Reset, Cause::Reset, STALE));
+            }
+            let (cause, what) = transport::exchange_failure(&e);
+            return Err(broken(TransportKind::Reset, cause, what));
         }
         Wait::TimedOut => return Err(call.timed_out()),
         Wait::ClientGone => return Err(AttemptEnd::ClientGone),

@@ -18,11 +18,13 @@ pub const H2_STREAMS: usize = 100;
 /// Applies the provider's TLS and HTTP version settings to `peer`.
 pub fn configure(peer: &mut HttpPeer, p: &Provider) {
     // Pingora's reuse hash leaves out the CA a connection was verified against: keep
-    // each provider's connections to itself, so none is reused under another's trust.
+    // each provider's connections to itself, and to the TLS files they were made under,
+    // so none is reused under another trust (another provider's, or before a reload).
     peer.group_key = {
         use std::hash::{Hash, Hasher};
         let mut h = std::collections::hash_map::DefaultHasher::new();
         p.id.hash(&mut h);
+        p.tls.fingerprint.hash(&mut h);
         h.finish()
     };
     let o = &mut peer.options;
@@ -105,6 +107,26 @@ pub fn connect_failure(e: &pingora::Error) -> (Cause, String) {
         _ => Cause::Connect,
     };
     (cause, detail(e))
+}
+
+/// The cause of a failure while the request was written or the answer read: a TLS
+/// alert in the error's chain (a TLS 1.3 server refusing the client certificate says so
+/// only after the handshake) is `tls`, a timed-out read or write `timeout`, the rest
+/// `reset`; with Pingora's words for it.
+pub fn exchange_failure(e: &pingora::Error) -> (Cause, String) {
+    let what = detail(e);
+    let lower = what.to_ascii_lowercase();
+    let cause = if lower.contains("alert") || lower.contains("certificate") {
+        Cause::Tls
+    } else if matches!(
+        e.etype(),
+        ErrorType::ReadTimedout | ErrorType::WriteTimedout
+    ) {
+        Cause::Timeout
+    } else {
+        Cause::Reset
+    };
+    (cause, what)
 }
 
 /// `<error type>: <context>: <cause>: <its source>…`, one line, at most [`MAX_DETAIL`]

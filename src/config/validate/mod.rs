@@ -342,8 +342,14 @@ impl Validator<'_> {
         let emergency_fallback = match root.get("emergency_fallback") {
             None | Some(Value::Null) => None,
             Some(Value::String(s)) => {
-                if !models.iter().any(|m| &m.name == s) {
-                    self.err("emergency_fallback", format!("unknown model {s:?}"));
+                match models.iter().find(|m| &m.name == s) {
+                    None => self.err("emergency_fallback", format!("unknown model {s:?}")),
+                    // A fallback request keeps the client's id, which a pattern would pass on.
+                    Some(m) if m.is_pattern() => self.err(
+                        "emergency_fallback",
+                        format!("{s:?} is a pattern; the fallback must be an exact model name"),
+                    ),
+                    Some(_) => {}
                 }
                 Some(s.clone())
             }

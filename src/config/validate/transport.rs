@@ -69,7 +69,23 @@ impl Validator<'_> {
                 "false: the upstream's certificate is not checked (anyone on the path can read the keys sent to it)",
             );
         }
-        UpstreamTls { ca, client, verify }
+        let fingerprint = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            for f in [&raw.ca_file, &raw.client_cert_file, &raw.client_key_file] {
+                f.as_ref()
+                    .and_then(|f| std::fs::read(self.base_dir.join(f)).ok())
+                    .hash(&mut h);
+            }
+            verify.hash(&mut h);
+            h.finish()
+        };
+        UpstreamTls {
+            ca,
+            client,
+            verify,
+            fingerprint,
+        }
     }
 
     /// The DER certificates of the PEM file `file` (relative to the config's directory).
