@@ -12,6 +12,9 @@ use crate::config::{Http2, Provider};
 use pingora::upstreams::peer::HttpPeer;
 use pingora::ErrorType;
 
+/// How often an HTTP/2 connection is pinged (a dead one is closed, not waited on).
+pub const H2_PING: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Concurrent requests on one HTTP/2 connection (Pingora's default is 1: no multiplexing).
 pub const H2_STREAMS: usize = 100;
 
@@ -36,6 +39,9 @@ pub fn configure(peer: &mut HttpPeer, p: &Provider) {
     }
     if o.alpn.get_max_http_version() == 2 {
         o.max_h2_streams = H2_STREAMS;
+        // A multiplexed connection that died silently would fail every stream on it by
+        // the first-byte timeout; pings find it first.
+        o.h2_ping_interval = Some(H2_PING);
     }
     if p.base_url.tls {
         o.ca = p.tls.ca.clone();
