@@ -16,7 +16,7 @@ use crate::proxy::Gateway;
 use crate::server::frontdoor::{file_limit, listen, ClientLimits, FrontDoor};
 use crate::server::handover::{Listeners, Signals, StopSignals, Successor, CLAIMED};
 use crate::server::listener::TcpAppService;
-use crate::store::{Change, RedbStore, StateStore, StoreWriter, Table};
+use crate::store::{Change, RedbStore, RedisStore, StateStore, StoreWriter, Table};
 use clap::{Parser, Subcommand};
 use pingora::server::configuration::ServerConf;
 use pingora::server::{RunArgs, Server};
@@ -138,6 +138,16 @@ pub fn clear_overrides(path: &Path, out: &mut dyn Write) -> i32 {
         }
     };
     let state_path = &config.state_path;
+    if let Some(r) = &config.redis {
+        let _ = writeln!(
+            out,
+            "error: state.backend is redis ({}): the shared overrides are cleared with PATCH /api/resilience on any node",
+            RedisStore::new(r.url.expose(), &r.key_prefix)
+                .map(|s| s.place().to_owned())
+                .unwrap_or_else(|_| "redis".into())
+        );
+        return 1;
+    }
     if !state_path.exists() {
         let _ = writeln!(
             out,
@@ -264,10 +274,24 @@ pub fn run(
     }
     predecessor.tell(CLAIMED);
     let state_path = config.state_path.clone();
-    let store: Arc<dyn StateStore> = Arc::new(open_store(&state_path, reset_state, upgrade)?);
-    let image = store
-        .load()
-        .map_err(|e| StartupError::Store(e.to_string()))?;
+    let shared = config.redis.clone();
+    let store: Arc<dyn StateStore> = match &shared {
+        None => Arc::new(open_store(&state_path, reset_state, upgrade)?),
+        Some(r) => Arc::new(
+            RedisStore::new(r.url.expose(), &r.key_prefix)
+                .map_err(|e| StartupError::Store(e.to_string()))?,
+        ),
+    };
+    let image = match (store.load(), &shared) {
+        (Ok(image), _) => image,
+        (Err(e), None) => return Err(StartupError::Store(e.to_string())),
+        // Redis down at start: serve on an empty local view; the writer commits once it
+        // is back (SPEC §7.1: no request fails because Redis blinked).
+        (Err(e), Some(_)) => {
+            tracing::warn!(error = %e, "state: the shared store is unreachable; starting from an empty state");
+            crate::store::empty_image()
+        }
+    };
     let mut overrides = Engine::overrides_from(&image);
     let snapshot = if overrides.is_empty() {
         first.snapshot
@@ -304,7 +328,9 @@ pub fn run(
     tracing::info!(restored, pins, leases, "state loaded");
     let outbox = crate::store::handover::dir_for(&state_path);
     let handing_over = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    if upgrade {
+    if shared.is_some() {
+        // A shared store needs no hand-over: both processes write to it.
+    } else if upgrade {
         // What the predecessor forwards while it drains.
         spawn_inbox(
             engine.clone(),
@@ -382,6 +408,7 @@ pub fn run(
         listeners: Arc::new(std::sync::Mutex::new(listeners)),
         store: Some(writer.clone()),
         store_path: state_path.clone(),
+        shared_store: shared.is_some(),
         outbox,
         predecessor: std::sync::Mutex::new(predecessor),
         handing_over,

@@ -36,7 +36,18 @@ pub struct RawAccessLog {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawState {
+    pub backend: Option<String>,
     pub path: Option<String>,
+    pub redis: Option<RawRedis>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRedis {
+    pub url_env: Option<String>,
+    pub url_file: Option<String>,
+    pub key_prefix: Option<String>,
+    pub sync_interval: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -159,6 +159,14 @@ impl AccessFormat {
     }
 }
 
+/// `state.redis`, validated. The URL may hold a password: it is a [`Secret`].
+#[derive(Clone, Debug)]
+pub struct RedisConfig {
+    pub url: Secret,
+    pub key_prefix: String,
+    pub sync_interval: Duration,
+}
+
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
     pub listen: String,
@@ -396,6 +404,8 @@ pub struct Config {
     pub source: PathBuf,
     pub server: ServerConfig,
     pub state_path: PathBuf,
+    /// `state.backend: redis`: the shared store (SPEC §7.1); `None` = the embedded redb.
+    pub redis: Option<RedisConfig>,
     pub rules_dir: PathBuf,
     pub admin: AdminConfig,
     /// `None` = open listener (development default, warned at startup).

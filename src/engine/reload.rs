@@ -211,6 +211,14 @@ impl Engine {
         if o.state_path != n.state_path {
             warnings.push("state.path changed: takes effect after a restart".into());
         }
+        let redis_of = |c: &crate::config::Config| {
+            c.redis
+                .as_ref()
+                .map(|r| (r.url.expose().to_owned(), r.key_prefix.clone()))
+        };
+        if redis_of(o) != redis_of(n) {
+            warnings.push("state.backend/state.redis changed: takes effect after a restart".into());
+        }
         self.clear_terminal_on_new_credentials(&prepared.snapshot.config);
         self.drop_overrides(&prepared.dropped_overrides);
         self.swap(prepared.snapshot);

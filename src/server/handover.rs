@@ -250,6 +250,8 @@ pub struct StopSignals {
     pub store: Option<StoreWriter>,
     /// The state store's file, to take back when a successor fails to start.
     pub store_path: PathBuf,
+    /// The store is shared (Redis): both processes keep writing to it, nothing is handed over.
+    pub shared_store: bool,
     /// Where the store's changes go once it was handed to a successor.
     pub outbox: PathBuf,
     /// This process's predecessor, told [`SERVING`] once the signal handlers are in place.
@@ -303,7 +305,7 @@ impl StopSignals {
         tracing::info!(sock = %self.upgrade_sock, "upgrade: listening sockets handed over");
         self.handing_over
             .store(true, std::sync::atomic::Ordering::Release);
-        if let Some(w) = &self.store {
+        if let (Some(w), false) = (&self.store, self.shared_store) {
             let outbox = Arc::new(Outbox::new(self.outbox.clone()));
             match w.swap_store(outbox).await {
                 Ok(()) => tracing::info!(
@@ -319,7 +321,9 @@ impl StopSignals {
                 .unwrap_or(false);
         if !serving {
             tracing::error!("upgrade failed: the new process did not start; taking the state store back, still serving");
-            self.take_store_back().await;
+            if !self.shared_store {
+                self.take_store_back().await;
+            }
             self.handing_over
                 .store(false, std::sync::atomic::Ordering::Release);
             return false;

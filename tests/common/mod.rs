@@ -13,6 +13,7 @@
 pub mod client;
 pub mod gw;
 pub mod raw;
+pub mod redis;
 
 #[allow(unused_imports)]
 pub use client::{

@@ -243,6 +243,83 @@ impl Validator<'_> {
         d
     }
 
+    /// `state.backend` and `state.redis` (SPEC §6, §7.1): the URL from an env var or a
+    /// file (never inline: it may carry a password), checked for a `redis://` or
+    /// `rediss://` scheme without being shown.
+    fn redis(&mut self, backend: Option<&str>, raw: Option<RawRedis>) -> Option<RedisConfig> {
+        match backend.unwrap_or("redb") {
+            "redb" => {
+                if raw.is_some() {
+                    self.warn("state.redis", "ignored: state.backend is redb");
+                }
+                return None;
+            }
+            "redis" => {}
+            other => {
+                self.err(
+                    "state.backend",
+                    format!("{other:?} is not one of redb, redis"),
+                );
+                return None;
+            }
+        }
+        let Some(raw) = raw else {
+            self.err(
+                "state.redis",
+                "state.backend: redis needs state.redis.url_env or url_file",
+            );
+            return None;
+        };
+        let url = self.secret_from(
+            "state.redis",
+            raw.url_env.as_ref(),
+            raw.url_file.as_ref(),
+            "url_env",
+            "url_file",
+        );
+        let url = match url {
+            Some(u) => u,
+            None => {
+                if raw.url_env.is_none() && raw.url_file.is_none() {
+                    self.err(
+                        "state.redis",
+                        "needs url_env or url_file (the URL is never written in the config)",
+                    );
+                }
+                return None;
+            }
+        };
+        if !(url.expose().starts_with("redis://") || url.expose().starts_with("rediss://"))
+            || redis::Client::open(url.expose()).is_err()
+        {
+            // The URL itself is never shown: it may hold a password.
+            self.err("state.redis", "the URL is not a redis:// or rediss:// URL");
+            return None;
+        }
+        let key_prefix = raw.key_prefix.unwrap_or_else(|| "sluice:".into());
+        if key_prefix.is_empty()
+            || key_prefix.len() > 64
+            || key_prefix.contains(char::is_whitespace)
+        {
+            self.err(
+                "state.redis.key_prefix",
+                "must be 1 to 64 characters without spaces",
+            );
+        }
+        let sync_interval = self.bounded_duration(
+            "state.redis.sync_interval",
+            raw.sync_interval.as_ref(),
+            Duration::from_millis(250),
+            Duration::from_millis(10),
+            Duration::from_secs(60),
+        );
+        Some(RedisConfig {
+            url,
+            key_prefix,
+            sync_interval,
+        })
+    }
+
     fn secret_from(
         &mut self,
         path: &str,
@@ -312,7 +389,8 @@ impl Validator<'_> {
             }
         }
         let server = self.server(root);
-        let state: RawState = self.section(root, "state");
+        let mut state: RawState = self.section(root, "state");
+        let redis = self.redis(state.backend.as_deref(), state.redis.take());
         let rules_dir = match root.get("rules_dir") {
             None | Some(Value::Null) => PathBuf::from("./rules"),
             Some(Value::String(s)) => PathBuf::from(s),
@@ -361,6 +439,7 @@ impl Validator<'_> {
         Some(Config {
             source: PathBuf::from(file),
             server,
+            redis,
             state_path: PathBuf::from(state.path.unwrap_or_else(|| "./data/sluice.redb".into())),
             rules_dir,
             admin,
