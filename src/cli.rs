@@ -275,12 +275,19 @@ pub fn run(
     predecessor.tell(CLAIMED);
     let state_path = config.state_path.clone();
     let shared = config.redis.clone();
+    // With a shared store, the change stream is read from where it stood before the
+    // image was loaded: nothing another node writes meanwhile is missed.
+    let mut changes = None;
     let store: Arc<dyn StateStore> = match &shared {
         None => Arc::new(open_store(&state_path, reset_state, upgrade)?),
-        Some(r) => Arc::new(
-            RedisStore::new(r.url.expose(), &r.key_prefix)
-                .map_err(|e| StartupError::Store(e.to_string()))?,
-        ),
+        Some(r) => {
+            let store = RedisStore::new(r.url.expose(), &r.key_prefix)
+                .map_err(|e| StartupError::Store(e.to_string()))?;
+            let reader = store.reader();
+            let from = reader.stream_end().unwrap_or_else(|_| "0-0".to_owned());
+            changes = Some((reader, from, r.sync_interval));
+            Arc::new(store)
+        }
     };
     let image = match (store.load(), &shared) {
         (Ok(image), _) => image,
@@ -328,8 +335,10 @@ pub fn run(
     tracing::info!(restored, pins, leases, "state loaded");
     let outbox = crate::store::handover::dir_for(&state_path);
     let handing_over = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    if shared.is_some() {
-        // A shared store needs no hand-over: both processes write to it.
+    if let Some((reader, from, every)) = changes {
+        // A shared store needs no hand-over (both processes write to it); what other
+        // nodes write reaches this one through the change stream.
+        spawn_change_reader(engine.clone(), reader, from, every);
     } else if upgrade {
         // What the predecessor forwards while it drains.
         spawn_inbox(
@@ -448,6 +457,42 @@ fn open_store(path: &Path, reset: bool, upgrade: bool) -> Result<RedbStore, Star
             }
             Err(e) => return Err(StartupError::Store(e.to_string())),
         }
+    }
+}
+
+/// Reads the shared store's change stream every `every` and applies what other nodes
+/// wrote. A failed read (Redis down) is counted in the log once per outage and retried;
+/// the local view keeps serving meanwhile.
+fn spawn_change_reader(engine: Arc<Engine>, reader: RedisStore, mut from: String, every: Duration) {
+    let spawned = std::thread::Builder::new()
+        .name("sluice-changes".into())
+        .spawn(move || {
+            let mut down = false;
+            loop {
+                match reader.changes_after(&from) {
+                    Ok((next, batch)) => {
+                        if down {
+                            tracing::info!("state: the shared store is reachable again");
+                            down = false;
+                        }
+                        from = next;
+                        if !batch.is_empty() {
+                            let n = engine.absorb_remote(batch);
+                            tracing::debug!(applied = n, "state: changes from other nodes");
+                        }
+                    }
+                    Err(e) => {
+                        if !down {
+                            tracing::warn!(error = %e, "state: cannot read other nodes' changes; serving on the local view");
+                            down = true;
+                        }
+                    }
+                }
+                std::thread::sleep(every);
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "state: cannot follow other nodes' changes");
     }
 }
 

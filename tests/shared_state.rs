@@ -160,3 +160,54 @@ fn backend_settings_are_checked_and_the_url_never_shown() {
     assert_eq!(code, Some(0), "{text}");
     assert!(!text.contains("s3cret-pass"), "{text}");
 }
+
+#[test]
+fn running_nodes_see_each_others_cooldowns_and_clears_live() {
+    let redis = Redis::start();
+    let url = redis.url();
+    let mock = Mock::start(&[]);
+    let env = [
+        ("KEY1", "key-1"),
+        ("KEY2", "key-2"),
+        ("SLUICE_REDIS_URL", url.as_str()),
+    ];
+    let (a, b, c) = (
+        Gateway::start(&config(&mock.base_url()), &env),
+        Gateway::start(&config(&mock.base_url()), &env),
+        Gateway::start(&config(&mock.base_url()), &env),
+    );
+    // Node a learns that key-1 is rate limited for 120 s.
+    mock.set_fault("status=429;retry_after=120;credential=key-1");
+    let r = a.chat(r#"{"model":"m","messages":[]}"#);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(k1_state(&a), "cooling");
+    mock.set_fault("");
+    // b and c, already running, take it up within the sync interval and skip key-1.
+    for node in [&b, &c] {
+        assert!(
+            wait_until(Duration::from_secs(3), || k1_state(node) == "cooling"),
+            "a running node did not learn the cooldown"
+        );
+    }
+    let before = mock.stats()["by_credential"]["key-1"].as_u64().unwrap_or(0);
+    for node in [&b, &c] {
+        for _ in 0..3 {
+            let r = node.chat(r#"{"model":"m","messages":[]}"#);
+            assert_eq!(r.status, 200);
+            assert_eq!(r.header("x-sluice-connection"), Some("k2"));
+        }
+    }
+    assert_eq!(
+        mock.stats()["by_credential"]["key-1"].as_u64().unwrap_or(0),
+        before
+    );
+    // An operator clears it on node c: a and b follow.
+    let r = c.admin_post("/api/resilience/cooldowns", r#"{"all": true}"#);
+    assert_eq!(r.status, 200, "{}", r.text());
+    for node in [&a, &b] {
+        assert!(
+            wait_until(Duration::from_secs(3), || k1_state(node) != "cooling"),
+            "a running node did not learn the clear"
+        );
+    }
+}

@@ -81,6 +81,56 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// Applies changes another running node committed to the shared store (SPEC §7.1,
+    /// eventually consistent): the latest write wins, in memory only (they are in the
+    /// store already). Breakers, connection states, lockouts and pins are taken, upserts
+    /// and deletes alike; lease and override rows are not (leases need the store's
+    /// compare-and-set; overrides take a reload). Returns how many were applied.
+    pub fn absorb_remote(&self, changes: Vec<Change>) -> usize {
+        let now = self.now();
+        let mut image = crate::store::empty_image();
+        let mut n = 0;
+        for c in changes {
+            match (&c.value, c.table) {
+                (Some(v), Table::Breakers | Table::Connections | Table::Lockouts) => {
+                    if let Some(rows) = image.get_mut(&c.table) {
+                        rows.insert(c.key, v.clone());
+                    }
+                }
+                (Some(v), Table::Pins) => {
+                    if let Ok(pin) = serde_json::from_value::<Pin>(v.clone()) {
+                        n += usize::from(lock(&self.pins).insert_restored(c.key, pin, now));
+                    }
+                }
+                (None, Table::Connections) => {
+                    if let Some((p, conn)) = c.key.split_once('/') {
+                        *lock(&self.tables.connection(p, conn)) = ConnEntry::default();
+                        n += 1;
+                    }
+                }
+                (None, Table::Breakers) => {
+                    *lock(&self.tables.provider(&c.key)) = Default::default();
+                    n += 1;
+                }
+                (None, Table::Lockouts) => {
+                    let mut parts = c.key.splitn(3, '/');
+                    if let (Some(p), Some(conn), Some(m)) =
+                        (parts.next(), parts.next(), parts.next())
+                    {
+                        n += usize::from(self.tables.remove_lockout(p, conn, m).is_some());
+                    }
+                }
+                (None, Table::Pins) => {
+                    n += usize::from(lock(&self.pins).remove(&c.key));
+                }
+                (_, Table::Leases | Table::Overrides) => {}
+            }
+        }
+        n + self.tables.restore(&image, now)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use crate::engine::state::{conn_key, lock, ConnEntry};

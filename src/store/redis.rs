@@ -21,6 +21,8 @@ const TIMEOUT: Duration = Duration::from_secs(2);
 pub struct RedisStore {
     client: redis::Client,
     prefix: String,
+    /// This process's id in the change stream: its own entries are skipped when read.
+    node: String,
     /// Where the store is, for messages: host and port, never the password.
     place: String,
     conn: Mutex<Option<redis::Connection>>,
@@ -45,6 +47,7 @@ impl RedisStore {
         Ok(RedisStore {
             client,
             prefix: prefix.to_owned(),
+            node: format!("{}-{:016x}", std::process::id(), rand::random::<u64>()),
             place,
             conn: Mutex::new(None),
         })
@@ -57,6 +60,87 @@ impl RedisStore {
 
     fn key(&self, table: Table) -> String {
         format!("{}{}", self.prefix, table.as_str())
+    }
+
+    fn stream(&self) -> String {
+        format!("{}changes", self.prefix)
+    }
+
+    /// Another handle on the same store and node id, with its own connection (the change
+    /// reader polls on it, so the writer's commits never wait behind a read).
+    pub fn reader(&self) -> RedisStore {
+        RedisStore {
+            client: self.client.clone(),
+            prefix: self.prefix.clone(),
+            node: self.node.clone(),
+            place: self.place.clone(),
+            conn: Mutex::new(None),
+        }
+    }
+
+    /// The id of the newest entry of the change stream (`0-0` when it is empty): where a
+    /// node that just loaded the image starts reading.
+    pub fn stream_end(&self) -> Result<String, StoreError> {
+        let key = self.stream();
+        let last: Vec<(String, Vec<(String, String)>)> = self.with(|c| {
+            redis::cmd("XREVRANGE")
+                .arg(&key)
+                .arg("+")
+                .arg("-")
+                .arg("COUNT")
+                .arg(1)
+                .query(c)
+        })?;
+        Ok(last
+            .into_iter()
+            .next()
+            .map_or_else(|| "0-0".to_owned(), |(id, _)| id))
+    }
+
+    /// The changes other nodes committed after stream entry `after`, oldest first, and
+    /// the id to read from next.
+    pub fn changes_after(&self, after: &str) -> Result<(String, Vec<Change>), StoreError> {
+        let key = self.stream();
+        type Entries = Vec<(String, Vec<(String, String)>)>;
+        let entries: Entries = self.with(|c| {
+            redis::cmd("XRANGE")
+                .arg(&key)
+                .arg(format!("({after}"))
+                .arg("+")
+                .arg("COUNT")
+                .arg(STREAM_READ)
+                .query(c)
+        })?;
+        let mut next = after.to_owned();
+        let mut out = Vec::new();
+        for (id, fields) in entries {
+            next = id;
+            let field = |name: &str| {
+                fields
+                    .iter()
+                    .find(|(k, _)| k == name)
+                    .map(|(_, v)| v.as_str())
+            };
+            if field("node") == Some(self.node.as_str()) {
+                continue;
+            }
+            let (Some(table), Some(k)) = (field("table"), field("key")) else {
+                continue;
+            };
+            let Some(table) = Table::ALL.into_iter().find(|t| t.as_str() == table) else {
+                continue;
+            };
+            let value = match field("value") {
+                Some("") | None => None,
+                Some(v) => serde_json::from_str(v).ok(),
+            };
+            out.push(Change {
+                table,
+                key: k.to_owned(),
+                value,
+            });
+        }
+        Ok((next, out))
     }
 
     /// Runs `f` on the connection, opening it when there is none; a failed call drops
@@ -100,6 +184,32 @@ impl RedisStore {
     }
 }
 
+/// Most stream entries read per poll.
+const STREAM_READ: usize = 1_000;
+/// The change stream keeps about this many entries (trimmed as it grows).
+const STREAM_KEEP: usize = 10_000;
+
+impl RedisStore {
+    /// Adds one change to the stream other nodes read (in the batch's transaction).
+    fn announce(&self, pipe: &mut redis::Pipeline, c: &Change, value: &str) {
+        pipe.cmd("XADD")
+            .arg(self.stream())
+            .arg("MAXLEN")
+            .arg("~")
+            .arg(STREAM_KEEP)
+            .arg("*")
+            .arg("node")
+            .arg(&self.node)
+            .arg("table")
+            .arg(c.table.as_str())
+            .arg("key")
+            .arg(&c.key)
+            .arg("value")
+            .arg(value)
+            .ignore();
+    }
+}
+
 impl StateStore for RedisStore {
     fn load(&self) -> Result<Image, StoreError> {
         let mut image = empty_image();
@@ -134,10 +244,12 @@ impl StateStore for RedisStore {
                 Some(v) => {
                     let text =
                         serde_json::to_string(v).map_err(|e| StoreError::Encode(e.to_string()))?;
-                    pipe.cmd("HSET").arg(key).arg(&c.key).arg(text).ignore();
+                    pipe.cmd("HSET").arg(key).arg(&c.key).arg(&text).ignore();
+                    self.announce(&mut pipe, c, &text);
                 }
                 None => {
                     pipe.cmd("HDEL").arg(key).arg(&c.key).ignore();
+                    self.announce(&mut pipe, c, "");
                 }
             }
         }
