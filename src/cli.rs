@@ -321,7 +321,17 @@ pub fn run(
     let writer = StoreWriter::spawn_on_thread(store, Duration::from_millis(100))
         .map_err(|e| StartupError::Store(e.to_string()))?;
     let write_errors = metrics.store_write_errors_total.clone();
-    writer.on_failure(move |_| write_errors.inc());
+    let backend_errors = metrics.state_backend_errors_total.clone();
+    let reachable = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let shared_up = reachable.clone();
+    let is_shared = shared.is_some();
+    writer.on_failure(move |_| {
+        write_errors.inc();
+        if is_shared {
+            backend_errors.inc();
+            shared_up.store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
     let engine = Engine::new(
         snapshot,
         metrics,
@@ -335,6 +345,9 @@ pub fn run(
     tracing::info!(restored, pins, leases, "state loaded");
     let outbox = crate::store::handover::dir_for(&state_path);
     let handing_over = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if is_shared {
+        let _ = engine.shared_state.set(reachable);
+    }
     if let Some((reader, from, every)) = changes {
         // A shared store needs no hand-over (both processes write to it); what other
         // nodes write reaches this one through the change stream.
@@ -471,6 +484,9 @@ fn spawn_change_reader(engine: Arc<Engine>, reader: RedisStore, mut from: String
             loop {
                 match reader.changes_after(&from) {
                     Ok((next, batch)) => {
+                        if let Some(up) = engine.shared_state.get() {
+                            up.store(true, std::sync::atomic::Ordering::Relaxed);
+                        }
                         if down {
                             tracing::info!("state: the shared store is reachable again");
                             down = false;
@@ -482,6 +498,10 @@ fn spawn_change_reader(engine: Arc<Engine>, reader: RedisStore, mut from: String
                         }
                     }
                     Err(e) => {
+                        engine.metrics.state_backend_errors_total.inc();
+                        if let Some(up) = engine.shared_state.get() {
+                            up.store(false, std::sync::atomic::Ordering::Relaxed);
+                        }
                         if !down {
                             tracing::warn!(error = %e, "state: cannot read other nodes' changes; serving on the local view");
                             down = true;

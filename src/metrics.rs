@@ -30,6 +30,8 @@ pub struct Metrics {
     pub affinity_pins_active: prometheus::IntGauge,
     pub leases_active: prometheus::IntGauge,
     pub store_write_errors_total: prometheus::IntCounter,
+    /// Failed calls to the shared state backend (Redis): commits and change reads.
+    pub state_backend_errors_total: prometheus::IntCounter,
 }
 
 /// `sluice_queue_rejections_total{reason}` values.
@@ -163,6 +165,10 @@ impl Metrics {
             "sluice_store_write_errors_total",
             "State store commits that failed (each retry of a failing batch counts)",
         )?;
+        let state_backend_errors_total = prometheus::IntCounter::new(
+            "sluice_state_backend_errors_total",
+            "Failed calls to the shared state backend (Redis): commits and reads of other nodes' changes",
+        )?;
         // Both reload results are exported from the start (at 0), so a rate() over them
         // works before the first reload; startup itself is not a reload.
         for result in ["ok", "error"] {
@@ -196,6 +202,7 @@ impl Metrics {
             Box::new(affinity_pins_active.clone()),
             Box::new(leases_active.clone()),
             Box::new(store_write_errors_total.clone()),
+            Box::new(state_backend_errors_total.clone()),
         ] {
             registry.register(c)?;
         }
@@ -220,6 +227,7 @@ impl Metrics {
             affinity_pins_active,
             leases_active,
             store_write_errors_total,
+            state_backend_errors_total,
         })
     }
 

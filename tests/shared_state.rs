@@ -101,6 +101,26 @@ fn a_node_whose_redis_is_down_still_serves_and_writes_once_it_is_back() {
         assert_eq!(r.status, 200, "{}", r.text());
     }
     assert_eq!(k1_state(&gw), "cooling", "the local view still works");
+    // Said on /ready (still 200: the node serves) and in the health view and metrics.
+    let ready = gw.admin_get("/ready");
+    assert_eq!(ready.status, 200, "{}", ready.text());
+    let backend = &ready.json()["state_backend"];
+    assert_eq!(backend["kind"], "redis");
+    assert!(
+        wait_until(Duration::from_secs(3), || gw.admin_get("/ready").json()
+            ["state_backend"]["reachable"]
+            == false),
+        "{backend}"
+    );
+    assert_eq!(
+        gw.admin_get("/api/monitoring/health").json()["state_backend"]["reachable"],
+        false
+    );
+    assert!(
+        gw.metric("sluice_state_backend_errors_total")
+            .unwrap_or(0.0)
+            >= 1.0
+    );
     // The batch the store refused is kept and retried: it lands once Redis is up.
     let redis = Redis::start_on(port);
     assert!(
@@ -110,6 +130,12 @@ fn a_node_whose_redis_is_down_still_serves_and_writes_once_it_is_back() {
         "the refused batch never reached redis"
     );
     assert_eq!(gw.chat(r#"{"model":"m","messages":[]}"#).status, 200);
+    assert!(
+        wait_until(Duration::from_secs(3), || gw.admin_get("/ready").json()
+            ["state_backend"]["reachable"]
+            == true),
+        "reachable again"
+    );
 }
 
 #[test]

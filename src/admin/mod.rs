@@ -172,8 +172,23 @@ fn readiness(engine: &Engine) -> (bool, Value) {
             "last_reload_ok": last.ok,
         },
         "store": store,
+        // A shared backend that does not answer does not take the node out of rotation:
+        // it serves on its local view (SPEC §7.1).
+        "state_backend": state_backend(engine),
     });
     (ready, details)
+}
+
+/// `{"kind": "redb"}` or `{"kind": "redis", "reachable": bool}`.
+pub fn state_backend(engine: &Engine) -> Value {
+    match engine.shared_state.get() {
+        None => json!({"kind": "redb"}),
+        Some(up) => json!({
+            "kind": "redis",
+            "reachable": up.load(std::sync::atomic::Ordering::Relaxed),
+            "errors": engine.metrics.state_backend_errors_total.get(),
+        }),
+    }
 }
 
 /// One query parameter, percent-decoded.

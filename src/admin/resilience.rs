@@ -76,7 +76,7 @@ pub fn health(engine: &Engine) -> Value {
             })
         })
         .collect();
-    json!({ "providers": providers })
+    json!({ "providers": providers, "state_backend": super::state_backend(engine) })
 }
 
 #[derive(Deserialize, Default)]

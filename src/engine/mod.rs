@@ -436,6 +436,8 @@ pub struct Engine {
     pub overrides: Mutex<std::collections::BTreeMap<String, Value>>,
     /// Drain state and the requests in flight (SPEC §8.1).
     pub lifecycle: Arc<crate::server::lifecycle::Lifecycle>,
+    /// Whether the shared state backend answered its last call (`None`: no shared backend).
+    pub shared_state: std::sync::OnceLock<Arc<std::sync::atomic::AtomicBool>>,
 }
 
 impl Engine {
@@ -463,6 +465,7 @@ impl Engine {
             pins: Mutex::new(PinTable::default()),
             signals: Mutex::new(HashMap::new()),
             lifecycle: crate::server::lifecycle::Lifecycle::new(),
+            shared_state: std::sync::OnceLock::new(),
             overrides: Mutex::new(Default::default()),
         })
     }
