@@ -141,7 +141,7 @@ pub fn clear_overrides(path: &Path, out: &mut dyn Write) -> i32 {
     if let Some(r) = &config.redis {
         let _ = writeln!(
             out,
-            "error: state.backend is redis ({}): the shared overrides are cleared with PATCH /api/resilience on any node",
+            "error: state.backend is redis ({}): clear runtime overrides with PATCH /api/resilience on each running node (they are not shared live yet)",
             RedisStore::new(r.url.expose(), &r.key_prefix)
                 .map(|s| s.place().to_owned())
                 .unwrap_or_else(|_| "redis".into())
@@ -284,7 +284,8 @@ pub fn run(
             let store = RedisStore::new(r.url.expose(), &r.key_prefix)
                 .map_err(|e| StartupError::Store(e.to_string()))?;
             let reader = store.reader();
-            let from = reader.stream_end().unwrap_or_else(|_| "0-0".to_owned());
+            // `None` (Redis down at start): the saved state is merged in once it answers.
+            let from = reader.stream_end().ok();
             changes = Some((reader, from, r.sync_interval));
             Arc::new(store)
         }
@@ -476,13 +477,36 @@ fn open_store(path: &Path, reset: bool, upgrade: bool) -> Result<RedbStore, Star
 /// Reads the shared store's change stream every `every` and applies what other nodes
 /// wrote. A failed read (Redis down) is counted in the log once per outage and retried;
 /// the local view keeps serving meanwhile.
-fn spawn_change_reader(engine: Arc<Engine>, reader: RedisStore, mut from: String, every: Duration) {
+fn spawn_change_reader(
+    engine: Arc<Engine>,
+    reader: RedisStore,
+    mut from: Option<String>,
+    every: Duration,
+) {
     let spawned = std::thread::Builder::new()
         .name("sluice-changes".into())
         .spawn(move || {
             let mut down = false;
             loop {
-                match reader.changes_after(&from) {
+                let Some(after) = from.clone() else {
+                    // Started while Redis was down: once it answers, take the saved state
+                    // (worse news wins over what this node learnt meanwhile) and read the
+                    // stream from its end, not its whole history.
+                    if let (Ok(end), Ok(image)) = (reader.stream_end(), reader.load()) {
+                        let changes: Vec<Change> = image
+                            .into_iter()
+                            .flat_map(|(t, rows)| rows.into_iter().map(move |(k, v)| Change::upsert(t, k, v)))
+                            .collect();
+                        let n = engine.absorb_forwarded(changes);
+                        tracing::info!(merged = n, "state: the shared store answers; its saved state is merged in");
+                        from = Some(end);
+                    } else {
+                        engine.metrics.state_backend_errors_total.inc();
+                    }
+                    std::thread::sleep(every);
+                    continue;
+                };
+                match reader.changes_after(&after) {
                     Ok((next, batch)) => {
                         if let Some(up) = engine.shared_state.get() {
                             up.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -491,7 +515,7 @@ fn spawn_change_reader(engine: Arc<Engine>, reader: RedisStore, mut from: String
                             tracing::info!("state: the shared store is reachable again");
                             down = false;
                         }
-                        from = next;
+                        from = Some(next);
                         if !batch.is_empty() {
                             let n = engine.absorb_remote(batch);
                             tracing::debug!(applied = n, "state: changes from other nodes");

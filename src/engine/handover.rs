@@ -89,14 +89,17 @@ impl Engine {
     /// compare-and-set; overrides take a reload). Returns how many were applied.
     pub fn absorb_remote(&self, changes: Vec<Change>) -> usize {
         let now = self.now();
-        let mut image = crate::store::empty_image();
         let mut n = 0;
+        // In stream order, one change at a time: a clear read after a cooldown in the same
+        // poll must win over it.
         for c in changes {
             match (&c.value, c.table) {
                 (Some(v), Table::Breakers | Table::Connections | Table::Lockouts) => {
+                    let mut image = crate::store::empty_image();
                     if let Some(rows) = image.get_mut(&c.table) {
                         rows.insert(c.key, v.clone());
                     }
+                    n += self.tables.restore(&image, now);
                 }
                 (Some(v), Table::Pins) => {
                     if let Ok(pin) = serde_json::from_value::<Pin>(v.clone()) {
@@ -127,7 +130,7 @@ impl Engine {
                 (_, Table::Leases | Table::Overrides) => {}
             }
         }
-        n + self.tables.restore(&image, now)
+        n
     }
 }
 

@@ -18,6 +18,9 @@ use crate::policy::classify::TransportKind;
 use crate::policy::failover::Ended;
 use std::time::Duration;
 
+/// Longest a response waits for its terminal state to be committed.
+const URGENT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// How an attempt ended, as the failure memory needs to know it.
 pub enum AttemptOutcome<'a> {
     /// The first byte reached the client. `latency`: request write → first body byte.
@@ -155,8 +158,12 @@ impl Engine {
             return;
         }
         if let Some(store) = &self.store {
-            if let Err(e) = store.commit_now(v.urgent.clone()).await {
-                tracing::error!(error = %e, "could not persist a terminal state");
+            // Bounded: a store that does not answer (a blackholed Redis) must not hold the
+            // response; the change stays queued and is committed when it can be.
+            match tokio::time::timeout(URGENT_WAIT, store.commit_now(v.urgent.clone())).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::error!(error = %e, "could not persist a terminal state"),
+                Err(_) => tracing::error!("persisting a terminal state is taking too long; answering now, the commit stays queued"),
             }
         }
     }

@@ -132,7 +132,11 @@ impl RedisStore {
             };
             let value = match field("value") {
                 Some("") | None => None,
-                Some(v) => serde_json::from_str(v).ok(),
+                Some(v) => match serde_json::from_str(v) {
+                    Ok(v) => Some(v),
+                    // Not a delete: an entry nobody can read is skipped.
+                    Err(_) => continue,
+                },
             };
             out.push(Change {
                 table,
@@ -233,12 +237,14 @@ impl StateStore for RedisStore {
     }
 
     fn apply(&self, changes: &[Change]) -> Result<(), StoreError> {
-        if changes.is_empty() {
+        if changes.iter().all(|c| c.table == Table::Leases) {
             return Ok(());
         }
         let mut pipe = redis::pipe();
         pipe.atomic();
-        for c in changes {
+        // Leases stay in each node's memory until they are shared by compare-and-set:
+        // every node writes its whole lease table, which would overwrite the others'.
+        for c in changes.iter().filter(|c| c.table != Table::Leases) {
             let key = self.key(c.table);
             match &c.value {
                 Some(v) => {
