@@ -273,6 +273,9 @@ pub struct Provider {
     pub quota_family: Option<String>,
     pub http2: Http2,
     pub tls: UpstreamTls,
+    /// The upstream pool's group for this provider: its id and TLS files' fingerprint,
+    /// hashed once at load (see `proxy::transport::configure`).
+    pub pool_key: u64,
     pub connections: Vec<Connection>,
 }
 

@@ -357,8 +357,8 @@ impl Driver<'_> {
             );
         }
         let queue_label = match r.code {
-            ErrorCode::QueueFull => Some("queue_full"),
-            ErrorCode::QueueTimeout => Some("queue_timeout"),
+            ErrorCode::QueueFull => Some(crate::metrics::QUEUE_REJECTIONS[0]),
+            ErrorCode::QueueTimeout => Some(crate::metrics::QUEUE_REJECTIONS[1]),
             _ => None,
         };
         if let Some(label) = queue_label {

@@ -23,13 +23,7 @@ pub fn configure(peer: &mut HttpPeer, p: &Provider) {
     // Pingora's reuse hash leaves out the CA a connection was verified against: keep
     // each provider's connections to itself, and to the TLS files they were made under,
     // so none is reused under another trust (another provider's, or before a reload).
-    peer.group_key = {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        p.id.hash(&mut h);
-        p.tls.fingerprint.hash(&mut h);
-        h.finish()
-    };
+    peer.group_key = p.pool_key;
     let o = &mut peer.options;
     match (p.http2, p.base_url.tls) {
         (Http2::Off, _) | (Http2::Auto, false) => o.set_http_version(1, 1),

@@ -147,6 +147,7 @@ mod tests {
             quota_family: None,
             http2: Default::default(),
             tls: Default::default(),
+            pool_key: 0,
             connections: vec![],
         }
     }

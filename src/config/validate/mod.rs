@@ -530,6 +530,13 @@ impl Validator<'_> {
                     "a provider needs at least one connection",
                 );
             }
+            let pool_key = {
+                use std::hash::{Hash, Hasher};
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                raw.id.hash(&mut h);
+                tls.fingerprint.hash(&mut h);
+                h.finish()
+            };
             out.push(Provider {
                 id: raw.id,
                 base_url,
@@ -539,6 +546,7 @@ impl Validator<'_> {
                 connect_timeout,
                 quota_family: raw.quota_family,
                 http2,
+                pool_key,
                 tls,
                 connections,
             });
