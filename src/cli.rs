@@ -278,12 +278,14 @@ pub fn run(
     // With a shared store, the change stream is read from where it stood before the
     // image was loaded: nothing another node writes meanwhile is missed.
     let mut changes = None;
+    let mut node = None;
     let store: Arc<dyn StateStore> = match &shared {
         None => Arc::new(open_store(&state_path, reset_state, upgrade)?),
         Some(r) => {
             let store = RedisStore::new(r.url.expose(), &r.key_prefix)
                 .map_err(|e| StartupError::Store(e.to_string()))?;
             let reader = store.reader();
+            node = Some(store.node().to_owned());
             // `None` (Redis down at start): the saved state is merged in once it answers.
             let from = reader.stream_end().ok();
             changes = Some((reader, from, r.sync_interval));
@@ -346,6 +348,18 @@ pub fn run(
     tracing::info!(restored, pins, leases, "state loaded");
     let outbox = crate::store::handover::dir_for(&state_path);
     let handing_over = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if let (Some(r), Some(node)) = (&shared, &node) {
+        // Leases and caps across nodes (SPEC §7.1), before any request resolves its limits.
+        let cluster = crate::cluster::Cluster::start(
+            r.url.expose(),
+            &r.key_prefix,
+            node,
+            engine.metrics.state_backend_errors_total.clone(),
+            reachable.clone(),
+        )
+        .map_err(|e| StartupError::Store(e.to_string()))?;
+        engine.join_cluster(cluster);
+    }
     if is_shared {
         let _ = engine.shared_state.set(reachable);
     }

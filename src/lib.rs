@@ -4,6 +4,7 @@
 pub mod admin;
 pub mod cli;
 pub mod clock;
+pub mod cluster;
 pub mod codes;
 pub mod config;
 pub mod engine;

@@ -145,7 +145,27 @@ fn shipped_configs_are_valid() {
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stdout)
-    );
+    ); // The several-nodes example: its Redis URL (with a password) is never printed.
+    let cluster = format!("{root}/conf/cluster.yaml");
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["check", "--config", &cluster])
+        .env(
+            "SLUICE_REDIS_URL",
+            "redis://:cluster-s3cret@127.0.0.1:6379/0",
+        )
+        .env("SLUICE_ADMIN_TOKEN", "t")
+        .env("SLUICE_KEY_AGENTS", "a")
+        .env("SLUICE_KEY_APPS", "b")
+        .env("OPENAI_KEY_1", "c")
+        .env("OPENAI_KEY_2", "d")
+        .env("ANTHROPIC_KEY_MAIN", "e")
+        .env("ANTHROPIC_KEY_BACKUP", "f")
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(!text.contains("cluster-s3cret"), "{text}");
 }
 
 #[test]

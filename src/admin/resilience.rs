@@ -210,7 +210,13 @@ pub async fn clear_cooldowns(engine: &Engine, body: &[u8]) -> Result<Value, Admi
             match e.state.clear(req.include_terminal) {
                 Cleared::Cleared => {
                     cleared += 1;
-                    changes.push(change(Table::Connections, &conn_key(p, c), Some(&*e)));
+                    let mut row = change(Table::Connections, &conn_key(p, c), Some(&*e));
+                    // An operator's clear may lift a terminal state, also on a shared
+                    // store, which otherwise keeps terminal states (SPEC §7.1).
+                    if let Some(serde_json::Value::Object(m)) = &mut row.value {
+                        m.insert("cleared".into(), Value::Bool(true));
+                    }
+                    changes.push(row);
                 }
                 Cleared::Unchanged => unchanged += 1,
                 Cleared::SkippedTerminal => skipped += 1,

@@ -12,6 +12,7 @@
 use super::state::{conn_key, lock, ConnEntry, LockEntry};
 use super::Engine;
 use crate::policy::affinity::Pin;
+use crate::policy::lease::Lease;
 use crate::store::{Change, Table};
 
 impl Engine {
@@ -85,8 +86,8 @@ impl Engine {
     /// Applies changes another running node committed to the shared store (SPEC §7.1,
     /// eventually consistent): the latest write wins, in memory only (they are in the
     /// store already). Breakers, connection states, lockouts and pins are taken, upserts
-    /// and deletes alike; lease and override rows are not (leases need the store's
-    /// compare-and-set; overrides take a reload). Returns how many were applied.
+    /// and deletes alike, and the leases the cluster's scripts stored; override rows are
+    /// not (they take a reload). Returns how many were applied.
     pub fn absorb_remote(&self, changes: Vec<Change>) -> usize {
         let now = self.now();
         let mut n = 0;
@@ -94,6 +95,7 @@ impl Engine {
         // poll must win over it.
         for c in changes {
             match (&c.value, c.table) {
+                (Some(v), Table::Connections) if self.keeps_terminal(&c.key, v) => {}
                 (Some(v), Table::Breakers | Table::Connections | Table::Lockouts) => {
                     let mut image = crate::store::empty_image();
                     if let Some(rows) = image.get_mut(&c.table) {
@@ -127,10 +129,45 @@ impl Engine {
                 (None, Table::Pins) => {
                     n += usize::from(lock(&self.pins).remove(&c.key));
                 }
-                (_, Table::Leases | Table::Overrides) => {}
+                // The cluster's lease scripts announce what they stored (SPEC §7.1).
+                (Some(v), Table::Leases) => {
+                    if let Ok(lease) = serde_json::from_value::<Lease>(v.clone()) {
+                        if lease.owner_hash == c.key {
+                            lock(&self.leases).mirror(lease, now);
+                            n += 1;
+                        }
+                    }
+                }
+                (None, Table::Leases) => {
+                    n += usize::from(lock(&self.leases).forget(&c.key));
+                }
+                (_, Table::Overrides) => {}
             }
         }
         n
+    }
+}
+
+impl Engine {
+    /// A remote connection row that is not terminal does not replace a terminal state
+    /// here unless it is an operator's clear: it comes from a node that had not learnt
+    /// the terminal state yet (SPEC §7.1: terminal states are never overwritten by a
+    /// cooldown).
+    fn keeps_terminal(&self, key: &str, theirs: &serde_json::Value) -> bool {
+        let Some((p, conn)) = key.split_once('/') else {
+            return false;
+        };
+        let cleared = theirs.get("cleared") == Some(&serde_json::Value::Bool(true));
+        let terminal = theirs
+            .get("state")
+            .and_then(|s| s.get("terminal"))
+            .is_some_and(|t| !t.is_null());
+        if cleared || terminal {
+            return false;
+        }
+        self.tables
+            .connection_if_any(p, conn)
+            .is_some_and(|e| lock(&e).state.terminal.is_some())
     }
 }
 

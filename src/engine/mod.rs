@@ -378,6 +378,8 @@ pub enum Selection {
     /// Go: the attempt holds its concurrency permit (and possibly the breaker's probe).
     Picked {
         pick: Pick,
+        /// The candidate picked (a cluster at its cap waits on it, SPEC §7.1).
+        candidate: Candidate,
         probe: bool,
         permit: PermitGuard,
     },
@@ -438,9 +440,18 @@ pub struct Engine {
     pub lifecycle: Arc<crate::server::lifecycle::Lifecycle>,
     /// Whether the shared state backend answered its last call (`None`: no shared backend).
     pub shared_state: std::sync::OnceLock<Arc<std::sync::atomic::AtomicBool>>,
+    /// Leases and caps shared with other nodes (SPEC §7.1); set once, before traffic.
+    pub cluster: std::sync::OnceLock<Arc<crate::cluster::Cluster>>,
 }
 
 impl Engine {
+    /// Shares leases and caps through `cluster` from now on (call before traffic: limits
+    /// resolved earlier stay per node).
+    pub fn join_cluster(&self, cluster: Arc<crate::cluster::Cluster>) {
+        let _ = self.permits.cluster.set(cluster.clone());
+        let _ = self.cluster.set(cluster);
+    }
+
     pub fn new(
         snapshot: Snapshot,
         metrics: Metrics,
@@ -466,6 +477,7 @@ impl Engine {
             signals: Mutex::new(HashMap::new()),
             lifecycle: crate::server::lifecycle::Lifecycle::new(),
             shared_state: std::sync::OnceLock::new(),
+            cluster: std::sync::OnceLock::new(),
             overrides: Mutex::new(Default::default()),
         })
     }
@@ -559,6 +571,7 @@ impl Engine {
         };
         Ok(Selection::Picked {
             pick: c.into(),
+            candidate: c,
             probe,
             permit,
         })

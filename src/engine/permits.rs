@@ -10,11 +10,18 @@
 //! A config generation resolves each (model, target, connection) to its [`Limits`] once
 //! (`Snapshot::limits`): the semaphores and counters are then reached through `Arc`s,
 //! with no key formatting or map lookup on the request path.
+//!
+//! With several nodes sharing state (SPEC §7.1), a capped attempt also holds a
+//! cluster-wide permit (`cluster::Ticket`), taken after the local ones
+//! ([`Limits::admit`]): the local semaphore keeps this node's requests in order, the
+//! cluster's count keeps the cap across nodes.
 
 use super::state::lock;
+use crate::cluster::{Cluster, Ticket};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// One connection's counters: attempts in flight and requests waiting for a permit.
@@ -28,13 +35,38 @@ pub struct Counters {
 pub struct Permits {
     slots: Mutex<HashMap<String, Arc<Semaphore>>>,
     counters: Mutex<HashMap<String, Arc<Counters>>>,
+    /// Set once at start when caps are shared with other nodes (before any request).
+    pub cluster: OnceLock<Arc<Cluster>>,
 }
+
+/// The cluster-wide side of one attempt's limits.
+#[derive(Clone)]
+struct Shared {
+    cluster: Arc<Cluster>,
+    /// (sorted set, cap) per limited scope.
+    scopes: Vec<(String, u32)>,
+    /// The connection's `max_concurrent`, shared out when Redis does not answer.
+    conn_cap: Option<u32>,
+}
+
+/// Pause between two tries of a request waiting for a cluster-wide permit (plus up to as
+/// much again at random, so waiting nodes do not poll in step).
+const CLUSTER_POLL: Duration = Duration::from_millis(25);
 
 /// Held permits of one attempt (connection and, if limited, connection + model) plus
 /// the in-flight count; all released on drop.
 pub struct PermitGuard {
     _permits: Vec<OwnedSemaphorePermit>,
+    /// The cluster-wide permit, when the node shares its caps (SPEC §7.1).
+    _ticket: Option<Ticket>,
     counters: Arc<Counters>,
+}
+
+impl PermitGuard {
+    fn with_ticket(mut self, ticket: Ticket) -> PermitGuard {
+        self._ticket = Some(ticket);
+        self
+    }
 }
 
 impl Drop for PermitGuard {
@@ -63,6 +95,8 @@ pub struct Limits {
     conn: Option<Arc<Semaphore>>,
     /// The connection + model semaphore, when `model_concurrency` names the model.
     model: Option<Arc<Semaphore>>,
+    /// The cluster-wide permits, when the node shares caps and one applies.
+    shared: Option<Shared>,
 }
 
 impl Limits {
@@ -110,6 +144,48 @@ impl Limits {
         Some(self.guard(held))
     }
 
+    /// After the local permits, the cluster-wide one (SPEC §7.1), when caps are shared:
+    /// `Err` gives the local permits back to the caller when the cluster is at its cap.
+    /// When Redis does not answer, this node keeps to its share of the connection's
+    /// cap, `max_concurrent ÷ live nodes` (at least 1); a model cap stays per node then.
+    pub async fn admit(&self, guard: PermitGuard) -> Result<PermitGuard, PermitGuard> {
+        let Some(s) = &self.shared else {
+            return Ok(guard);
+        };
+        match s.cluster.permit(&s.scopes).await {
+            Ok(Some(ticket)) => Ok(guard.with_ticket(ticket)),
+            Ok(None) => Err(guard),
+            Err(_) => {
+                let share = s.conn_cap.map(|cap| (cap / s.cluster.live_nodes()).max(1));
+                // The in-flight count includes this attempt's own guard.
+                if share.is_none_or(|n| self.inflight() <= n) {
+                    Ok(guard)
+                } else {
+                    Err(guard)
+                }
+            }
+        }
+    }
+
+    /// [`Limits::admit`] until it succeeds, holding the local permits meanwhile (FIFO
+    /// among this node's requests; across nodes, whoever asks first after a permit is
+    /// given back). Cancel-safe: a dropped wait gives back whatever it took.
+    pub async fn admit_wait(&self, mut guard: PermitGuard) -> PermitGuard {
+        loop {
+            match self.admit(guard).await {
+                Ok(g) => return g,
+                Err(g) => guard = g,
+            }
+            let jitter = rand::random::<u64>() % (CLUSTER_POLL.as_millis() as u64 + 1);
+            tokio::time::sleep(CLUSTER_POLL + Duration::from_millis(jitter)).await;
+        }
+    }
+
+    /// Whether a cluster-wide permit is needed on top of the local ones.
+    pub fn is_shared(&self) -> bool {
+        self.shared.is_some()
+    }
+
     /// An attempt that runs without a permit (no cap, or fail-open after a wait) still
     /// counts as in flight.
     pub fn unlimited(&self) -> PermitGuard {
@@ -120,6 +196,7 @@ impl Limits {
         self.counters.inflight.fetch_add(1, Ordering::AcqRel);
         PermitGuard {
             _permits: held,
+            _ticket: None,
             counters: self.counters.clone(),
         }
     }
@@ -171,11 +248,26 @@ impl Permits {
         conn_limit: Option<u32>,
         model: Option<(&str, u32)>,
     ) -> Limits {
+        let shared = self.cluster.get().and_then(|cluster| {
+            let mut scopes = Vec::with_capacity(2);
+            if let Some(n) = conn_limit {
+                scopes.push((cluster.permit_key(conn_key), n));
+            }
+            if let Some((k, n)) = model {
+                scopes.push((cluster.permit_key(k), n));
+            }
+            (!scopes.is_empty()).then(|| Shared {
+                cluster: cluster.clone(),
+                scopes,
+                conn_cap: conn_limit,
+            })
+        });
         Limits {
             conn_key: conn_key.to_string(),
             counters: self.counters(conn_key),
             conn: conn_limit.map(|n| self.semaphore(conn_key, n)),
             model: model.map(|(k, n)| self.semaphore(k, n)),
+            shared,
         }
     }
 }

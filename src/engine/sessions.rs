@@ -2,6 +2,10 @@
 //! §5.6), affinity pins (§5.5), and the latency / rate-limit signals the load-aware
 //! strategies read (§5.12).
 //!
+//! With a shared backend (SPEC §7.1) every lease change is the cluster's compare-and-set
+//! and the local table only mirrors what the cluster stored (routing reads it); other
+//! nodes' changes reach the mirror through the change stream.
+//!
 //! Lease changes are committed to the store before the caller answers (durable first):
 //! an acquire whose commit fails is taken back, and a renew or release whose commit fails
 //! is reported as a failure (the change stays queued), so a client is never told "done"
@@ -11,14 +15,16 @@
 use super::select::breaker_config;
 use super::state::{change, conn_key, lock};
 use super::{Engine, Snapshot};
+use crate::cluster::{Acquired, Cluster, ClusterError};
 use crate::config::Client;
 use crate::policy::affinity::Pin;
 use crate::policy::breaker::Permit;
 use crate::policy::cooldown::Eligibility;
-use crate::policy::lease::{Lease, LeaseError, LeaseTable};
+use crate::policy::lease::{effective_ttl, owner_hash, owner_token, Lease, LeaseError, LeaseTable};
 use crate::policy::Millis;
 use crate::routing::parse_rate_limit;
 use crate::store::{Change, CommitWait, Image, StoreError, Table};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Why none of a client's connections can be leased right now.
@@ -133,6 +139,12 @@ impl Engine {
     ) -> Result<(String, Lease), LeaseRefusal> {
         let now = self.now();
         let (eligible, soonest) = self.lease_candidates(snap, client, now);
+        if let Some(cluster) = self.cluster.get() {
+            let ttl = effective_ttl(ttl).map_err(LeaseRefusal::Lease)?;
+            return self
+                .lease_acquire_shared(cluster, &client.id, &eligible, soonest, ttl, now)
+                .await;
+        }
         let random: [u8; 32] = rand::random();
         let (result, wait) = self.change_leases(|table| {
             let pruned = table.prune(now);
@@ -166,6 +178,11 @@ impl Engine {
         ttl: Option<Duration>,
     ) -> Result<Lease, LeaseFailure> {
         let now = self.now();
+        if let Some(cluster) = self.cluster.get() {
+            let ttl = effective_ttl(ttl).map_err(LeaseFailure::Lease)?;
+            let r = cluster.lease_renew(&client.id, owner, ttl, now).await;
+            return self.mirrored(owner, r, false);
+        }
         let (renewed, wait) = self.change_leases(|table| {
             let r = table.renew(&client.id, owner, ttl, now);
             let persist = r.is_ok().then(Vec::new);
@@ -181,6 +198,10 @@ impl Engine {
     /// store still says "held").
     pub async fn lease_release(&self, client: &Client, owner: &str) -> Result<Lease, LeaseFailure> {
         let now = self.now();
+        if let Some(cluster) = self.cluster.get() {
+            let r = cluster.lease_release(&client.id, owner, now).await;
+            return self.mirrored(owner, r, true);
+        }
         let (released, wait) = self.change_leases(|table| {
             let r = table.release(&client.id, owner, now);
             let persist = r.as_ref().ok().map(|l| vec![l.owner_hash.clone()]);
@@ -198,7 +219,32 @@ impl Engine {
         Ok(lease)
     }
 
-    /// The dispatch fence (owner hash + generation + client).
+    /// The dispatch fence (owner hash + generation + client). With a shared backend the
+    /// owner's row is read from it first (strong: a lease released or taken over on
+    /// another node fails here at once); when it does not answer, the local view
+    /// decides, so requests of a leased session keep being served through an outage.
+    pub async fn lease_fence(
+        &self,
+        client: &str,
+        owner: &str,
+        generation: u64,
+    ) -> Result<Lease, LeaseError> {
+        if let Some(cluster) = self.cluster.get() {
+            if let Ok(row) = cluster.lease_get(owner).await {
+                let now = self.now();
+                let mut table = lock(&self.leases);
+                match row {
+                    Some(lease) => table.mirror(lease, now),
+                    None => {
+                        table.forget(&owner_hash(owner));
+                    }
+                }
+            }
+        }
+        self.lease_check(client, owner, generation)
+    }
+
+    /// The dispatch fence on the local view only.
     pub fn lease_check(
         &self,
         client: &str,
@@ -220,6 +266,20 @@ impl Engine {
     ) -> Option<Lease> {
         let now = self.now();
         let (eligible, _) = self.lease_candidates(snap, client, now);
+        if let Some(cluster) = self.cluster.get() {
+            // A backend that does not answer moves nothing: the request goes on as if
+            // nothing were free.
+            let moved = cluster
+                .lease_relocate(&lease.owner_hash, &eligible, now)
+                .await
+                .ok()
+                .flatten()?;
+            lock(&self.leases).mirror(moved.clone(), now);
+            if moved.connection != lease.connection {
+                tracing::info!(client = %client.id, from = %lease.connection, to = %moved.connection, "lease moved");
+            }
+            return Some(moved);
+        }
         let (moved, wait) = self.change_leases(|table| {
             let moved = table.relocate(&lease.owner_hash, &eligible, now);
             let persist = moved
@@ -235,6 +295,70 @@ impl Engine {
             let _ = Self::committed(wait).await;
         }
         Some(moved)
+    }
+
+    /// Acquire through the cluster's compare-and-set (SPEC §7.1): no two nodes can lease
+    /// one connection. A backend that does not answer refuses the lease (503, retry):
+    /// granting it from the local view could give the connection to two owners.
+    async fn lease_acquire_shared(
+        &self,
+        cluster: &Arc<Cluster>,
+        client: &str,
+        eligible: &[String],
+        soonest: Option<Millis>,
+        ttl: Millis,
+        now: Millis,
+    ) -> Result<(String, Lease), LeaseRefusal> {
+        // Fresh random bytes per try; a taken owner hash (never in practice) draws again.
+        for _ in 0..4 {
+            let token = owner_token(rand::random());
+            match cluster
+                .lease_acquire(client, &token, eligible, ttl, now)
+                .await
+            {
+                Ok(Acquired::Granted(lease)) => {
+                    lock(&self.leases).mirror(lease.clone(), now);
+                    return Ok((token, lease));
+                }
+                Ok(Acquired::OwnerTaken) => continue,
+                Ok(Acquired::Refused(LeaseError::NoneEligible)) => {
+                    return Err(LeaseRefusal::NoneEligible { retry_at: soonest })
+                }
+                Ok(Acquired::Refused(e)) => return Err(LeaseRefusal::Lease(e)),
+                Err(e) => return Err(LeaseRefusal::Store(StoreError::Io(e.0))),
+            }
+        }
+        Err(LeaseRefusal::Store(StoreError::Io(
+            "no fresh lease owner could be drawn".into(),
+        )))
+    }
+
+    /// A renew's or release's cluster answer, mirrored into the local view.
+    fn mirrored(
+        &self,
+        owner: &str,
+        r: Result<Result<Lease, LeaseError>, ClusterError>,
+        released: bool,
+    ) -> Result<Lease, LeaseFailure> {
+        let now = self.now();
+        match r {
+            Ok(Ok(lease)) => {
+                let mut table = lock(&self.leases);
+                if released {
+                    table.forget(&lease.owner_hash);
+                } else {
+                    table.mirror(lease.clone(), now);
+                }
+                Ok(lease)
+            }
+            Ok(Err(e)) => {
+                if e == LeaseError::UnknownOwner {
+                    lock(&self.leases).forget(&owner_hash(owner));
+                }
+                Err(LeaseFailure::Lease(e))
+            }
+            Err(e) => Err(LeaseFailure::Store(StoreError::Io(e.0))),
+        }
     }
 
     /// Refreshes (or moves) a session pin after a success.

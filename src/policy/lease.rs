@@ -124,7 +124,7 @@ impl fmt::Display for LeaseError {
 impl std::error::Error for LeaseError {}
 
 /// Requested TTL → effective TTL in milliseconds.
-fn effective_ttl(ttl: Option<Duration>) -> Result<Millis, LeaseError> {
+pub fn effective_ttl(ttl: Option<Duration>) -> Result<Millis, LeaseError> {
     let ttl = ttl.unwrap_or(DEFAULT_TTL);
     if ttl < MIN_TTL || ttl > MAX_TTL {
         return Err(LeaseError::InvalidTtl(format!(
@@ -305,6 +305,29 @@ impl LeaseTable {
         }
         self.leases.insert(lease.owner_hash.clone(), lease);
         true
+    }
+
+    /// Shared backend (SPEC §7.1): takes `lease` as the cluster stored it, replacing the
+    /// owner's row and any other lease of its connection (the cluster never holds two
+    /// active ones; a row of ours saying otherwise is older news). An expired one is
+    /// dropped instead.
+    pub fn mirror(&mut self, lease: Lease, now: Millis) {
+        self.prune(now);
+        if !lease.is_active(now) {
+            self.leases.remove(&lease.owner_hash);
+            return;
+        }
+        self.leases
+            .retain(|h, l| *h == lease.owner_hash || l.connection != lease.connection);
+        self.next_generation = self
+            .next_generation()
+            .max(lease.generation.saturating_add(1));
+        self.leases.insert(lease.owner_hash.clone(), lease);
+    }
+
+    /// Shared backend: the cluster no longer holds this owner's lease.
+    pub fn forget(&mut self, owner_hash: &str) -> bool {
+        self.leases.remove(owner_hash).is_some()
     }
 
     /// The lease's connection became ineligible: move it (same generation, same expiry) to

@@ -145,7 +145,7 @@ pub async fn admit(
                 ),
             )
         })?;
-    let lease = lease_fence(engine, session, client)?;
+    let lease = lease_fence(engine, session, client).await?;
     let model_name = &snap.config.models[model].name;
     let pin_key = (!snap.config.resilience.affinity_ttl.is_zero())
         .then(|| session_key(&session.req_header().headers))
@@ -161,7 +161,7 @@ pub async fn admit(
 
 /// The lease fence: `X-Sluice-Lease-Owner` + `X-Sluice-Lease-Generation` must match an
 /// active lease of this client key (SPEC §5.6).
-fn lease_fence(
+async fn lease_fence(
     engine: &Engine,
     session: &Session,
     client: Option<&Client>,
@@ -181,7 +181,10 @@ fn lease_fence(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<u64>().ok())
         .ok_or_else(|| ClientError::invalid_request("X-Sluice-Lease-Generation must be given as a whole number with X-Sluice-Lease-Owner"))?;
-    match engine.lease_check(&client.id, owner.trim(), generation) {
+    match engine
+        .lease_fence(&client.id, owner.trim(), generation)
+        .await
+    {
         Ok(l) => Ok(Some(l)),
         Err(LeaseError::StaleGeneration { current }) => Err(ClientError::new(
             ErrorCode::LeaseGenerationStale,

@@ -53,7 +53,7 @@ pub async fn run(
     let mut next = Next::Select;
     loop {
         next = match next {
-            Next::Select => d.select(&mut fsm),
+            Next::Select => d.select(&mut fsm).await,
             Next::Attempt(pick) => match d.attempt(session, &mut fsm, pick, ctx).await {
                 Step::Next(n) => n,
                 Step::Done(result) => return result,
@@ -127,7 +127,7 @@ struct Driver<'a> {
 }
 
 impl Driver<'_> {
-    fn select(&mut self, fsm: &mut Failover) -> Next {
+    async fn select(&mut self, fsm: &mut Failover) -> Next {
         let r = &self.req;
         let pin = r.pin_key.as_deref().and_then(|k| r.engine.pinned(k));
         let selection = {
@@ -146,15 +146,32 @@ impl Driver<'_> {
         match selection {
             Selection::Picked {
                 pick,
+                candidate,
                 probe,
                 permit,
             } => {
+                let limits = crate::engine::select::limits(r.engine, r.snap, r.model, &candidate);
+                let (permit, admitted) = if limits.is_shared() {
+                    match limits.admit(permit).await {
+                        Ok(p) => (p, true),
+                        Err(p) => (p, false),
+                    }
+                } else {
+                    (permit, true)
+                };
                 self.slot = Some(Slot {
                     pick,
                     probe,
                     _permit: permit,
                 });
-                fsm.on_offer(Offer::Picked(pick), now)
+                if admitted {
+                    return fsm.on_offer(Offer::Picked(pick), self.req.engine.now());
+                }
+                // The cluster is at the cap (SPEC §7.1): wait for it like a local cap,
+                // giving back the probe and the local permits meanwhile.
+                self.release_slot();
+                self.full = vec![candidate];
+                fsm.on_offer(Offer::Full, self.req.engine.now())
             }
             Selection::Full { full, .. } => {
                 self.full = full;

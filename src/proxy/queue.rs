@@ -50,10 +50,16 @@ pub(super) async fn wait_for_permit(
     per_conn.sort_unstable_by(|a, b| a.conn_key.cmp(&b.conn_key));
     per_conn.dedup_by(|a, b| a.conn_key == b.conn_key);
     let _waiting: Vec<_> = per_conn.iter().map(|l| l.wait_on()).collect();
-    let waits = limits
-        .iter()
-        .enumerate()
-        .map(|(i, l)| Box::pin(async move { (i, l.acquire().await) }));
+    let waits = limits.iter().enumerate().map(|(i, l)| {
+        Box::pin(async move {
+            let got = match l.acquire().await {
+                // With shared caps, the cluster-wide permit too (SPEC §7.1).
+                Some(g) => Some(l.admit_wait(g).await),
+                None => None,
+            };
+            (i, got)
+        })
+    });
     // The other waits are dropped here, before `limits`, which they borrow.
     let won = match watch.race(session, limit, select_all(waits)).await {
         Wait::Ready(((i, got), _, _)) => Wait::Ready((i, got)),

@@ -3,7 +3,8 @@
 //! (`<key_prefix><table>`), so several nodes load and keep one durable image.
 //!
 //! What it protects: the resilience state a restarted or newly added node starts from.
-//! Invariants: a batch is applied in one `MULTI`/`EXEC` (all of it or none); every call
+//! Invariants: a batch is applied by one script (all of it or none) that never lets a
+//! cooldown overwrite a terminal state (only an operator's clear does); every call
 //! has a connect and I/O timeout, so a Redis that does not answer fails the batch (the
 //! writer keeps it and retries) instead of hanging the writer; a broken connection is
 //! reopened on the next call; the URL is never logged or shown (it may hold a password),
@@ -26,6 +27,7 @@ pub struct RedisStore {
     /// Where the store is, for messages: host and port, never the password.
     place: String,
     conn: Mutex<Option<redis::Connection>>,
+    apply: redis::Script,
 }
 
 impl RedisStore {
@@ -50,12 +52,18 @@ impl RedisStore {
             node: format!("{}-{:016x}", std::process::id(), rand::random::<u64>()),
             place,
             conn: Mutex::new(None),
+            apply: redis::Script::new(APPLY),
         })
     }
 
     /// Where the store is (host and port), for logs.
     pub fn place(&self) -> &str {
         &self.place
+    }
+
+    /// This process's id in the change stream (the cluster's scripts announce with it).
+    pub fn node(&self) -> &str {
+        &self.node
     }
 
     fn key(&self, table: Table) -> String {
@@ -75,6 +83,7 @@ impl RedisStore {
             node: self.node.clone(),
             place: self.place.clone(),
             conn: Mutex::new(None),
+            apply: redis::Script::new(APPLY),
         }
     }
 
@@ -193,26 +202,47 @@ const STREAM_READ: usize = 1_000;
 /// The change stream keeps about this many entries (trimmed as it grows).
 const STREAM_KEEP: usize = 10_000;
 
-impl RedisStore {
-    /// Adds one change to the stream other nodes read (in the batch's transaction).
-    fn announce(&self, pipe: &mut redis::Pipeline, c: &Change, value: &str) {
-        pipe.cmd("XADD")
-            .arg(self.stream())
-            .arg("MAXLEN")
-            .arg("~")
-            .arg(STREAM_KEEP)
-            .arg("*")
-            .arg("node")
-            .arg(&self.node)
-            .arg("table")
-            .arg(c.table.as_str())
-            .arg("key")
-            .arg(&c.key)
-            .arg("value")
-            .arg(value)
-            .ignore();
-    }
-}
+/// Applies a batch atomically (a script runs alone) and announces each change on the
+/// stream. KEYS[1] is the stream, KEYS[1 + j] change j's hash; ARGV: node, stream length
+/// to keep, then (table, key, value) per change, value `''` for a delete. A connection
+/// row in a terminal state is never overwritten by one that is not, unless the new row
+/// says it is an operator's clear (`"cleared": true`): terminal states are strong.
+const APPLY: &str = r#"
+local node, keep = ARGV[1], ARGV[2]
+local function decode(v)
+  local ok, e = pcall(cjson.decode, v)
+  if ok and type(e) == 'table' then return e end
+  return nil
+end
+local function terminal(e)
+  return e ~= nil and type(e.state) == 'table' and e.state.terminal ~= nil
+    and e.state.terminal ~= cjson.null
+end
+local j = 1
+for i = 3, #ARGV, 3 do
+  j = j + 1
+  local tbl, key, value = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local keep_old = false
+  if tbl == 'connections' and value ~= '' then
+    local old = redis.call('HGET', KEYS[j], key)
+    local new = decode(value)
+    if old and terminal(decode(old)) and not terminal(new)
+      and not (new ~= nil and new.cleared == true) then
+      keep_old = true
+    end
+  end
+  if not keep_old then
+    if value == '' then
+      redis.call('HDEL', KEYS[j], key)
+    else
+      redis.call('HSET', KEYS[j], key, value)
+    end
+    redis.call('XADD', KEYS[1], 'MAXLEN', '~', keep, '*', 'node', node,
+      'table', tbl, 'key', key, 'value', value)
+  end
+end
+return 0
+"#;
 
 impl StateStore for RedisStore {
     fn load(&self) -> Result<Image, StoreError> {
@@ -237,28 +267,33 @@ impl StateStore for RedisStore {
     }
 
     fn apply(&self, changes: &[Change]) -> Result<(), StoreError> {
-        if changes.iter().all(|c| c.table == Table::Leases) {
+        // Leases are the cluster's compare-and-set scripts' (`cluster::leases`), never a
+        // node's whole table: that would overwrite the others'.
+        let mut keys = vec![self.stream()];
+        let mut args: Vec<String> = vec![self.node.clone(), STREAM_KEEP.to_string()];
+        for c in changes.iter().filter(|c| c.table != Table::Leases) {
+            let value = match &c.value {
+                Some(v) => {
+                    serde_json::to_string(v).map_err(|e| StoreError::Encode(e.to_string()))?
+                }
+                None => String::new(),
+            };
+            keys.push(self.key(c.table));
+            args.extend([c.table.as_str().to_owned(), c.key.clone(), value]);
+        }
+        if keys.len() == 1 {
             return Ok(());
         }
-        let mut pipe = redis::pipe();
-        pipe.atomic();
-        // Leases stay in each node's memory until they are shared by compare-and-set:
-        // every node writes its whole lease table, which would overwrite the others'.
-        for c in changes.iter().filter(|c| c.table != Table::Leases) {
-            let key = self.key(c.table);
-            match &c.value {
-                Some(v) => {
-                    let text =
-                        serde_json::to_string(v).map_err(|e| StoreError::Encode(e.to_string()))?;
-                    pipe.cmd("HSET").arg(key).arg(&c.key).arg(&text).ignore();
-                    self.announce(&mut pipe, c, &text);
-                }
-                None => {
-                    pipe.cmd("HDEL").arg(key).arg(&c.key).ignore();
-                    self.announce(&mut pipe, c, "");
-                }
+        let script = &self.apply;
+        self.with(|conn| {
+            let mut inv = script.prepare_invoke();
+            for k in &keys {
+                inv.key(k);
             }
-        }
-        self.with(|conn| pipe.query::<()>(conn))
+            for a in &args {
+                inv.arg(a);
+            }
+            inv.invoke::<i64>(conn).map(|_| ())
+        })
     }
 }

@@ -1,0 +1,262 @@
+//! The strongly consistent half of sharing state between nodes (SPEC §7.1): leases by
+//! compare-and-set with the generation fence, and cluster-wide concurrency permits that
+//! expire when their node stops renewing them. The eventually consistent half (breakers,
+//! cooldowns, lockouts, pins) is the store's change stream (`store::redis`).
+//!
+//! What it protects: a connection leased to two owners at once across the cluster, and
+//! a `max_concurrent: N` that becomes N per node. Invariants: every Redis call runs on
+//! this module's own single-threaded runtime with a time limit, so a Redis that hangs
+//! costs a request at most [`CALL_TIMEOUT`]; after a failed call, calls fail at once for
+//! [`QUIET`] (an outage costs requests nothing but their fallback) and every failure is
+//! counted in `sluice_state_backend_errors_total` and turns the node's `reachable` flag
+//! off; the URL is never logged (errors name host and port only). This node is listed in
+//! `<key_prefix>nodes` with an expiry it renews, so every node knows how many are alive
+//! (the cap ÷ live nodes fallback), and it renews the expiry of the permits it holds.
+
+mod leases;
+mod permits;
+mod scripts;
+
+pub use leases::Acquired;
+pub use permits::Ticket;
+
+use crate::policy::Millis;
+use redis::aio::MultiplexedConnection;
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Longest a strongly consistent call may take before it counts as failed.
+pub const CALL_TIMEOUT: Duration = Duration::from_millis(500);
+/// After a failed call, how long further calls fail without trying.
+pub const QUIET: Duration = Duration::from_secs(1);
+/// How often this node renews its own listing and its permits.
+pub const HEARTBEAT: Duration = Duration::from_secs(1);
+/// A node not heard from for this long no longer counts as alive.
+pub const NODE_TTL: Duration = Duration::from_secs(5);
+/// A permit's expiry, renewed every [`HEARTBEAT`] while its attempt lasts: a node killed
+/// without a goodbye gives its permits back this long after its last renewal.
+pub const PERMIT_TTL: Duration = Duration::from_secs(10);
+
+/// Why a cluster call did not give an answer (Redis unreachable, slow or refusing).
+#[derive(Clone, Debug, thiserror::Error)]
+#[error("shared state unavailable: {0}")]
+pub struct ClusterError(pub String);
+
+pub struct Cluster {
+    client: redis::Client,
+    prefix: String,
+    /// The node id of this process's change-stream entries (the store's), so the
+    /// change reader skips what the scripts announced for this node.
+    node: String,
+    place: String,
+    rt: tokio::runtime::Handle,
+    conn: Mutex<Option<MultiplexedConnection>>,
+    connecting: AtomicBool,
+    /// Unix ms before which calls fail at once (set after a failure).
+    quiet_until: AtomicU64,
+    /// Nodes alive at the last heartbeat (at least 1: this one).
+    live: AtomicU32,
+    /// Permits this node holds, by ticket id: the scope keys and the member to renew.
+    held: Mutex<HashMap<u64, (Vec<String>, String)>>,
+    tickets: AtomicU64,
+    errors: prometheus::IntCounter,
+    up: Arc<AtomicBool>,
+    scripts: scripts::Scripts,
+}
+
+impl Cluster {
+    /// Connects lazily to `url` (the first call connects); starts the thread that runs
+    /// every Redis call and the heartbeat. `node` is the store's node id.
+    pub fn start(
+        url: &str,
+        prefix: &str,
+        node: &str,
+        errors: prometheus::IntCounter,
+        up: Arc<AtomicBool>,
+    ) -> Result<Arc<Cluster>, ClusterError> {
+        let client = redis::Client::open(url)
+            .map_err(|_| ClusterError("the state.redis URL is not a valid redis:// URL".into()))?;
+        let place = match &client.get_connection_info().addr {
+            redis::ConnectionAddr::Tcp(h, p)
+            | redis::ConnectionAddr::TcpTls {
+                host: h, port: p, ..
+            } => format!("redis {h}:{p}"),
+            redis::ConnectionAddr::Unix(p) => format!("redis {}", p.display()),
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| ClusterError(format!("cannot start the cluster runtime: {e}")))?;
+        let cluster = Arc::new(Cluster {
+            client,
+            prefix: prefix.to_owned(),
+            node: node.to_owned(),
+            place,
+            rt: rt.handle().clone(),
+            conn: Mutex::new(None),
+            connecting: AtomicBool::new(false),
+            quiet_until: AtomicU64::new(0),
+            live: AtomicU32::new(1),
+            held: Mutex::new(HashMap::new()),
+            tickets: AtomicU64::new(0),
+            errors,
+            up,
+            scripts: scripts::Scripts::new(),
+        });
+        let beat = cluster.clone();
+        std::thread::Builder::new()
+            .name("sluice-cluster".into())
+            .spawn(move || rt.block_on(beat.heartbeat_loop()))
+            .map_err(|e| ClusterError(format!("cannot start the cluster thread: {e}")))?;
+        Ok(cluster)
+    }
+
+    /// Nodes alive at the last heartbeat (this one included; 1 when Redis is down and
+    /// nothing was ever seen).
+    pub fn live_nodes(&self) -> u32 {
+        self.live.load(Ordering::Relaxed).max(1)
+    }
+
+    fn key(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+
+    /// Runs `f` on a connection, on this module's runtime, within [`CALL_TIMEOUT`].
+    async fn call<T, F, Fut>(self: &Arc<Self>, f: F) -> Result<T, ClusterError>
+    where
+        T: Send + 'static,
+        F: FnOnce(MultiplexedConnection) -> Fut + Send + 'static,
+        Fut: Future<Output = redis::RedisResult<T>> + Send,
+    {
+        if crate::clock::unix_ms() < self.quiet_until.load(Ordering::Relaxed) {
+            return Err(ClusterError(format!("{}: not answering", self.place)));
+        }
+        let me = self.clone();
+        let task = self.rt.spawn(async move {
+            let conn = me.connection().await?;
+            match tokio::time::timeout(CALL_TIMEOUT, f(conn)).await {
+                Ok(Ok(v)) => {
+                    me.up.store(true, Ordering::Relaxed);
+                    Ok(v)
+                }
+                Ok(Err(e)) => {
+                    Err(me.failed(&format!("{:?}: {}", e.kind(), e.detail().unwrap_or(""))))
+                }
+                Err(_) => Err(me.failed("no answer in time")),
+            }
+        });
+        task.await
+            .unwrap_or_else(|_| Err(ClusterError("the cluster call was cancelled".into())))
+    }
+
+    /// The open connection, or a new one (one connect at a time; others fail at once).
+    async fn connection(&self) -> Result<MultiplexedConnection, ClusterError> {
+        if let Some(c) = self.conn.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Ok(c);
+        }
+        if self.connecting.swap(true, Ordering::AcqRel) {
+            return Err(ClusterError(format!("{}: connecting", self.place)));
+        }
+        let made = self
+            .client
+            .get_multiplexed_async_connection_with_config(
+                &redis::AsyncConnectionConfig::new()
+                    .set_connection_timeout(CALL_TIMEOUT)
+                    .set_response_timeout(CALL_TIMEOUT),
+            )
+            .await;
+        self.connecting.store(false, Ordering::Release);
+        match made {
+            Ok(c) => {
+                *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = Some(c.clone());
+                Ok(c)
+            }
+            Err(e) => Err(self.failed(&format!("{:?}: {}", e.kind(), e.detail().unwrap_or("")))),
+        }
+    }
+
+    fn failed(&self, what: &str) -> ClusterError {
+        self.errors.inc();
+        if self.up.swap(false, Ordering::Relaxed) {
+            tracing::warn!(backend = %self.place, error = %what, "cluster: the shared state does not answer; leases refuse, caps fall back to their share per node");
+        }
+        *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        let quiet = crate::clock::unix_ms().saturating_add(QUIET.as_millis() as Millis);
+        self.quiet_until.store(quiet, Ordering::Relaxed);
+        ClusterError(format!("{}: {what}", self.place))
+    }
+
+    /// Every [`HEARTBEAT`]: list this node, count the live ones, renew held permits.
+    async fn heartbeat_loop(self: Arc<Self>) {
+        let mut tick = tokio::time::interval(HEARTBEAT);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            // A failed heartbeat is counted like any call; the next one retries.
+            let _ = self.heartbeat().await;
+        }
+    }
+
+    async fn heartbeat(self: &Arc<Self>) -> Result<(), ClusterError> {
+        let now = crate::clock::unix_ms();
+        let nodes = self.key("nodes");
+        let node = self.node.clone();
+        let permit_until = now.saturating_add(PERMIT_TTL.as_millis() as Millis);
+        let held: Vec<(Vec<String>, String)> = self
+            .held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        let live: u32 = self
+            .call(move |mut c| async move {
+                let mut pipe = redis::pipe();
+                pipe.cmd("ZADD")
+                    .arg(&nodes)
+                    .arg(now.saturating_add(NODE_TTL.as_millis() as Millis))
+                    .arg(&node)
+                    .ignore();
+                pipe.cmd("ZREMRANGEBYSCORE")
+                    .arg(&nodes)
+                    .arg("-inf")
+                    .arg(now)
+                    .ignore();
+                pipe.cmd("ZCARD").arg(&nodes);
+                for (keys, member) in &held {
+                    for key in keys {
+                        // XX: a permit given up meanwhile is not brought back.
+                        pipe.cmd("ZADD")
+                            .arg(key)
+                            .arg("XX")
+                            .arg(permit_until)
+                            .arg(member)
+                            .ignore();
+                    }
+                }
+                let (live,): (u32,) = pipe.query_async(&mut c).await?;
+                Ok(live)
+            })
+            .await?;
+        self.live.store(live.max(1), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Takes this node off the live list (a clean shutdown); errors are ignored.
+    pub async fn leave(self: &Arc<Self>) {
+        let nodes = self.key("nodes");
+        let node = self.node.clone();
+        let _ = self
+            .call(move |mut c| async move {
+                redis::cmd("ZREM")
+                    .arg(&nodes)
+                    .arg(&node)
+                    .query_async::<()>(&mut c)
+                    .await
+            })
+            .await;
+    }
+}
