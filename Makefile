@@ -54,6 +54,12 @@ bench: build
 	./bench/streams.sh
 	$(CARGO) bench --bench selection
 
+## The redis state backend against redb in one run (uncapped, and with a cluster-wide
+## cap), needs redis-server (bench/RESULTS.md has the recorded runs).
+.PHONY: bench-shared
+bench-shared: build
+	./bench/shared.sh
+
 fmt:
 	$(CARGO) fmt --all
 

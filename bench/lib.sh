@@ -29,14 +29,16 @@ start_mock() {
 
 # start_sluice [NAME] -> one model `bench` on the mock; sets SLUICE (client address) and
 # SLUICE_PID. NAME (default `sluice`) keeps the files of several gateways apart;
-# SLUICE_SERVER_EXTRA (", key: value, …") is appended to the `server:` mapping.
+# SLUICE_SERVER_EXTRA (", key: value, …") is appended to the `server:` mapping,
+# SLUICE_CONN_EXTRA to the connection's; SLUICE_STATE replaces the `state:` mapping.
 start_sluice() {
   local n=${1:-sluice}
   mkdir -p "$WORK/$n"
+  local state=${SLUICE_STATE:-"{ path: \"$WORK/$n/state.redb\" }"}
   cat >"$WORK/$n.yaml" <<YAML
 server: { listen: "127.0.0.1:0", admin_listen: "127.0.0.1:0", threads: 2${SLUICE_SERVER_EXTRA:-} }
 admin: { token_env: SLUICE_ADMIN_TOKEN }
-state: { path: "$WORK/$n/state.redb" }
+state: $state
 rules_dir: "$WORK/$n/rules"
 providers:
   - id: mock
@@ -44,13 +46,13 @@ providers:
     api: openai
     class: local
     connections:
-      - { id: key-1, api_key_env: BENCH_KEY }
+      - { id: key-1, api_key_env: BENCH_KEY${SLUICE_CONN_EXTRA:-} }
 models:
   - name: bench
     targets:
       - { provider: mock, model: mock-model }
 YAML
-  SLUICE_ADMIN_TOKEN=bench BENCH_KEY=bench-key SLUICE_LOG=${SLUICE_LOG:-info} \
+  SLUICE_ADMIN_TOKEN=bench BENCH_KEY=bench-key BENCH_REDIS_URL=${BENCH_REDIS_URL:-} SLUICE_LOG=${SLUICE_LOG:-info} \
     "$BIN/sluice" run --config "$WORK/$n.yaml" >"$WORK/$n.out" 2>"$WORK/$n.log" &
   SLUICE_PID=$!
   PIDS+=("$SLUICE_PID")

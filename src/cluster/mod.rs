@@ -135,21 +135,28 @@ impl Cluster {
             return Err(ClusterError(format!("{}: not answering", self.place)));
         }
         let me = self.clone();
-        let task = self.rt.spawn(async move {
-            let conn = me.connection().await?;
-            match tokio::time::timeout(CALL_TIMEOUT, f(conn)).await {
-                Ok(Ok(v)) => {
-                    me.up.store(true, Ordering::Relaxed);
-                    Ok(v)
-                }
-                Ok(Err(e)) => {
-                    Err(me.failed(&format!("{:?}: {}", e.kind(), e.detail().unwrap_or(""))))
-                }
-                Err(_) => Err(me.failed("no answer in time")),
-            }
-        });
+        let task = self.rt.spawn(async move { me.run(f).await });
         task.await
             .unwrap_or_else(|_| Err(ClusterError("the cluster call was cancelled".into())))
+    }
+
+    /// [`Cluster::call`]'s body, for a task already on this module's runtime.
+    async fn run<T, F, Fut>(&self, f: F) -> Result<T, ClusterError>
+    where
+        F: FnOnce(MultiplexedConnection) -> Fut,
+        Fut: Future<Output = redis::RedisResult<T>>,
+    {
+        let conn = self.connection().await?;
+        match tokio::time::timeout(CALL_TIMEOUT, f(conn)).await {
+            Ok(Ok(v)) => {
+                self.up.store(true, Ordering::Relaxed);
+                Ok(v)
+            }
+            Ok(Err(e)) => {
+                Err(self.failed(&format!("{:?}: {}", e.kind(), e.detail().unwrap_or(""))))
+            }
+            Err(_) => Err(self.failed("no answer in time")),
+        }
     }
 
     /// The open connection, or a new one (one connect at a time; others fail at once).

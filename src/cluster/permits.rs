@@ -37,9 +37,16 @@ impl Drop for Ticket {
         let keys = std::mem::take(&mut self.keys);
         let member = std::mem::take(&mut self.member);
         // A release that fails leaves the permit to its expiry (it is no longer renewed).
+        if crate::clock::unix_ms()
+            < cluster
+                .quiet_until
+                .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return;
+        }
         self.cluster.rt.spawn(async move {
             let _ = cluster
-                .call(move |mut c| async move {
+                .run(move |mut c| async move {
                     let mut pipe = redis::pipe();
                     for k in &keys {
                         pipe.cmd("ZREM").arg(k).arg(&member).ignore();

@@ -98,10 +98,14 @@ impl Engine {
                 (Some(v), Table::Connections) if self.keeps_terminal(&c.key, v) => {}
                 (Some(v), Table::Breakers | Table::Connections | Table::Lockouts) => {
                     let mut image = crate::store::empty_image();
-                    if let Some(rows) = image.get_mut(&c.table) {
-                        rows.insert(c.key, v.clone());
+                    let table = c.table;
+                    if let Some(rows) = image.get_mut(&table) {
+                        rows.insert(c.key.clone(), v.clone());
                     }
                     n += self.tables.restore(&image, now);
+                    if table == Table::Connections {
+                        self.learnt_cooldown(&c.key, now);
+                    }
                 }
                 (Some(v), Table::Pins) => {
                     if let Ok(pin) = serde_json::from_value::<Pin>(v.clone()) {
@@ -149,6 +153,22 @@ impl Engine {
 }
 
 impl Engine {
+    /// Anti-herd across nodes (SPEC §7.1): a cooldown learnt from another node counts
+    /// as set here when it was learnt, so this node's attempts dispatched before it knew
+    /// (in flight during the sync interval) are stale failures that neither extend it nor
+    /// raise its level, as the other node's own in-flight attempts are.
+    fn learnt_cooldown(&self, key: &str, now: crate::policy::Millis) {
+        let Some((p, conn)) = key.split_once('/') else {
+            return;
+        };
+        if let Some(e) = self.tables.connection_if_any(p, conn) {
+            let mut e = lock(&e);
+            if e.state.cooled_until > now {
+                e.state.cooldown_set_at = e.state.cooldown_set_at.max(now);
+            }
+        }
+    }
+
     /// A remote connection row that is not terminal does not replace a terminal state
     /// here unless it is an operator's clear: it comes from a node that had not learnt
     /// the terminal state yet (SPEC §7.1: terminal states are never overwritten by a
@@ -181,6 +201,59 @@ mod tests {
     use std::time::Duration;
 
     const YAML: &str = "providers:\n  - id: p\n    base_url: \"http://127.0.0.1:9\"\n    api: openai\n    connections: [ { id: c }, { id: d } ]\nmodels:\n  - name: m\n    targets: [ { provider: p, model: u } ]\n";
+
+    #[test]
+    fn a_remote_cooldown_is_not_raised_by_attempts_dispatched_before_it_was_learnt() {
+        use crate::config::ProviderClass;
+        use crate::policy::cooldown::{CooldownConfig, Failure};
+        use crate::policy::Reason;
+        let engine = engine_with(YAML, None);
+        // Another node set it 200 ms before this node read it.
+        let mut theirs = ConnEntry::default();
+        theirs.state.cooled_until = T0 + 60_000;
+        theirs.state.cooldown_set_at = T0 - 200;
+        theirs.state.backoff_level = 1;
+        let n = engine.absorb_remote(vec![Change::upsert(
+            Table::Connections,
+            conn_key("p", "c"),
+            serde_json::to_value(&theirs).unwrap(),
+        )]);
+        assert_eq!(n, 1);
+        let entry = engine.tables.connection_if_any("p", "c").expect("entry");
+        let mut e = lock(&entry);
+        // This node's attempt went out 100 ms before: after the other node's cooldown,
+        // before this node knew of it. Its 429 is the same episode.
+        let late = Failure {
+            attempt_started: T0 - 100,
+            reason: Reason::RateLimitExceeded,
+            status: Some(429),
+            hint: None,
+            rule_cooldown: None,
+            terminal: None,
+            message: "rate limited",
+        };
+        let effect = e.state.record_failure(
+            &late,
+            &CooldownConfig::defaults(ProviderClass::ApiKey),
+            T0 + 10,
+        );
+        assert!(effect.ignored_as_stale, "{effect:?}");
+        assert_eq!(e.state.backoff_level, 1);
+        // One dispatched after it was learnt counts again.
+        let after = Failure {
+            attempt_started: T0 + 5,
+            ..late
+        };
+        let effect = e.state.record_failure(
+            &after,
+            &CooldownConfig::defaults(ProviderClass::ApiKey),
+            T0 + 20,
+        );
+        assert!(
+            !effect.ignored_as_stale && effect.raised_level,
+            "{effect:?}"
+        );
+    }
 
     #[tokio::test]
     async fn a_forwarded_cooldown_cools_here_and_every_change_is_stored() {
