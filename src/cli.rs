@@ -507,10 +507,12 @@ fn spawn_change_reader(
                     // (worse news wins over what this node learnt meanwhile) and read the
                     // stream from its end, not its whole history.
                     if let (Ok(end), Ok(image)) = (reader.stream_end(), reader.load()) {
-                        let changes: Vec<Change> = image
+                        let (leases, changes): (Vec<Change>, Vec<Change>) = image
                             .into_iter()
                             .flat_map(|(t, rows)| rows.into_iter().map(move |(k, v)| Change::upsert(t, k, v)))
-                            .collect();
+                            .partition(|c| c.table == Table::Leases);
+                        // The cluster's leases as stored: routing must keep off them.
+                        engine.absorb_remote(leases);
                         let n = engine.absorb_forwarded(changes);
                         tracing::info!(merged = n, "state: the shared store answers; its saved state is merged in");
                         from = Some(end);
