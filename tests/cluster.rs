@@ -69,6 +69,25 @@ fn nodes(yaml: &str, url: &str, n: usize) -> Vec<Gateway> {
     (0..n).map(|_| Gateway::start(yaml, &env)).collect()
 }
 
+/// `n` requests for `only-k1` at once, spread over the nodes in turn.
+fn spread(g: &[Gateway], n: usize) -> Vec<Response> {
+    let handles: Vec<_> = (0..n)
+        .map(|i| {
+            let addr = g[i % g.len()].client;
+            std::thread::spawn(move || {
+                request(
+                    addr,
+                    "POST",
+                    "/v1/chat/completions",
+                    PLAIN,
+                    br#"{"model":"only-k1"}"#,
+                )
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
 fn call(gw: &Gateway, path: &str, headers: &[(&str, &str)], body: &str) -> Response {
     request(gw.client, "POST", path, headers, body.as_bytes())
 }
@@ -183,22 +202,7 @@ fn max_concurrent_holds_across_three_nodes() {
     );
     let g = nodes(&yaml, &redis.url(), 3);
     mock.reset();
-    let handles: Vec<_> = (0..15)
-        .map(|i| {
-            let addr = g[i % 3].client;
-            std::thread::spawn(move || {
-                request(
-                    addr,
-                    "POST",
-                    "/v1/chat/completions",
-                    PLAIN,
-                    br#"{"model":"only-k1"}"#,
-                )
-            })
-        })
-        .collect();
-    for h in handles {
-        let r = h.join().unwrap();
+    for r in spread(&g, 15) {
         assert_eq!(r.status, 200, "{}", r.text());
     }
     let st = mock.stats();
@@ -213,24 +217,7 @@ fn concurrent_429s_across_three_nodes_raise_the_backoff_level_once() {
     let yaml = config(&mock.base_url(), "", "");
     let g = nodes(&yaml, &redis.url(), 3);
     mock.set_fault("status=429;latency=200ms;credential=key-1");
-    let handles: Vec<_> = (0..21)
-        .map(|i| {
-            let addr = g[i % 3].client;
-            std::thread::spawn(move || {
-                request(
-                    addr,
-                    "POST",
-                    "/v1/chat/completions",
-                    PLAIN,
-                    br#"{"model":"only-k1"}"#,
-                )
-            })
-        })
-        .collect();
-    let statuses: Vec<u16> = handles
-        .into_iter()
-        .map(|h| h.join().unwrap().status)
-        .collect();
+    let statuses: Vec<u16> = spread(&g, 21).iter().map(|r| r.status).collect();
     assert!(statuses.iter().all(|s| *s == 429), "{statuses:?}");
     assert!(mock.stats()["total"].as_u64().unwrap() >= 20);
     // Every node ends at level 1: 21 failures of one episode, one raise.
