@@ -141,7 +141,7 @@ pub fn clear_overrides(path: &Path, out: &mut dyn Write) -> i32 {
     if let Some(r) = &config.redis {
         let _ = writeln!(
             out,
-            "error: state.backend is redis ({}): clear runtime overrides with PATCH /api/resilience on each running node (they are not shared live yet)",
+            "error: state.backend is redis ({}): clear runtime overrides with PATCH /api/resilience on any running node (every node takes it up)",
             RedisStore::new(r.url.expose(), &r.key_prefix)
                 .map(|s| s.place().to_owned())
                 .unwrap_or_else(|_| "redis".into())

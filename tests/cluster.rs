@@ -425,3 +425,31 @@ fn a_killed_nodes_permits_come_back_after_their_expiry() {
     assert_eq!(got.json()["connection"], "p/k1");
     g.truncate(1);
 }
+
+#[test]
+fn a_runtime_override_on_one_node_reaches_the_others() {
+    let redis = Redis::start();
+    let mock = Mock::start(&[]);
+    let yaml = config(&mock.base_url(), "", "");
+    let g = nodes(&yaml, &redis.url(), 2);
+    let queue_wait = |gw: &Gateway| {
+        let j = gw.admin_get("/api/resilience").json();
+        let s = &j["settings"]["queue.wait"];
+        (
+            s["value"].clone(),
+            s["source"].as_str().unwrap_or("").to_string(),
+        )
+    };
+    let r = g[0].admin("PATCH", "/api/resilience", r#"{"queue.wait": "7s"}"#);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(
+        wait_until(Duration::from_secs(3), || queue_wait(&g[1])
+            == (serde_json::json!("7s"), "override".into())),
+        "b did not take up a's override: {:?}",
+        queue_wait(&g[1])
+    );
+    // Removing it on b puts a back on its file value.
+    let r = g[1].admin("PATCH", "/api/resilience", r#"{"queue.wait": null}"#);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(wait_until(Duration::from_secs(3), || queue_wait(&g[0]).1 != "override"));
+}

@@ -86,11 +86,12 @@ impl Engine {
     /// Applies changes another running node committed to the shared store (SPEC §7.1,
     /// eventually consistent): the latest write wins, in memory only (they are in the
     /// store already). Breakers, connection states, lockouts and pins are taken, upserts
-    /// and deletes alike, and the leases the cluster's scripts stored; override rows are
-    /// not (they take a reload). Returns how many were applied.
+    /// and deletes alike, the leases the cluster's scripts stored, and runtime overrides
+    /// (layered on this node's config). Returns how many were applied.
     pub fn absorb_remote(&self, changes: Vec<Change>) -> usize {
         let now = self.now();
         let mut n = 0;
+        let mut overrides = std::collections::BTreeMap::new();
         // In stream order, one change at a time: a clear read after a cooldown in the same
         // poll must win over it.
         for c in changes {
@@ -145,8 +146,15 @@ impl Engine {
                 (None, Table::Leases) => {
                     n += usize::from(lock(&self.leases).forget(&c.key));
                 }
-                (_, Table::Overrides) => {}
+                // Taken together after the batch: one re-layering, the last value per key.
+                (v, Table::Overrides) => {
+                    overrides.insert(c.key.clone(), v.clone());
+                }
             }
+        }
+        if !overrides.is_empty() {
+            n += overrides.len();
+            self.take_remote_overrides(overrides);
         }
         n
     }

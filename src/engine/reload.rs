@@ -247,7 +247,44 @@ impl Engine {
         &self,
         changes: BTreeMap<String, Option<serde_json::Value>>,
     ) -> Result<u64, AdminError> {
-        let (snapshot, persisted) = {
+        let (snapshot, persisted) = self.layer_overrides(&changes)?;
+        if let Some(store) = &self.store {
+            store.commit_now(persisted).await.map_err(|e| {
+                AdminError::NotPersisted(format!(
+                    "override applied but not persisted ({}): it is retried in the \
+                         background and lost if the process stops first",
+                    e.label()
+                ))
+            })?;
+        }
+        Ok(snapshot)
+    }
+
+    /// Overrides another node set (SPEC §7.1, through the shared store's change stream):
+    /// layered here the same way, not written again. One this node's config does not
+    /// accept is left out with a warning; this node keeps its settings.
+    pub fn take_remote_overrides(&self, changes: BTreeMap<String, Option<serde_json::Value>>) {
+        match self.layer_overrides(&changes) {
+            Ok((generation, _)) => {
+                tracing::info!(
+                    generation,
+                    settings = changes.len(),
+                    "runtime overrides from another node applied"
+                )
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "runtime overrides from another node do not fit this node's config; keeping its settings")
+            }
+        }
+    }
+
+    /// Validates `changes` against the base config and swaps the layered snapshot in;
+    /// returns its generation and the store changes that persist them.
+    fn layer_overrides(
+        &self,
+        changes: &BTreeMap<String, Option<serde_json::Value>>,
+    ) -> Result<(u64, Vec<crate::store::Change>), AdminError> {
+        {
             let _one_at_a_time = lock(&self.reload.running);
             let old = self.snapshot();
             let Some(base) = old.base.clone() else {
@@ -256,7 +293,7 @@ impl Engine {
                 ));
             };
             let mut next = lock(&self.overrides).clone();
-            for (k, v) in &changes {
+            for (k, v) in changes {
                 match v {
                     Some(v) => next.insert(k.clone(), v.clone()),
                     None => next.remove(k),
@@ -282,18 +319,8 @@ impl Engine {
                     value: next.get(k).cloned(),
                 })
                 .collect();
-            (generation, persisted)
-        };
-        if let Some(store) = &self.store {
-            store.commit_now(persisted).await.map_err(|e| {
-                AdminError::NotPersisted(format!(
-                    "override applied but not persisted ({}): it is retried in the \
-                         background and lost if the process stops first",
-                    e.label()
-                ))
-            })?;
+            Ok((generation, persisted))
         }
-        Ok(snapshot)
     }
 
     /// A terminal state is cleared when the connection's credential changed (SPEC §5.3).
