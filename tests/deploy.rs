@@ -282,7 +282,12 @@ fn the_dashboard_and_alerts_use_only_metrics_and_labels_the_gateway_exports() {
     );
     let gw = common::gw::Gateway::start(&yaml, &[("KEY", "k")]);
     assert_eq!(gw.chat(r#"{"model":"m","messages":[]}"#).status, 200);
-    let scrape = common::request(gw.admin, "GET", "/metrics", &[], b"").text();
+    // A request is counted once its response is out: the scrape may come first.
+    let mut scrape = String::new();
+    common::wait_until(std::time::Duration::from_secs(5), || {
+        scrape = common::request(gw.admin, "GET", "/metrics", &[], b"").text();
+        scrape.contains("sluice_requests_total{")
+    });
     // name → label names seen on its series (histograms: the family and its parts).
     let mut exported: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> =
         Default::default();

@@ -210,13 +210,13 @@ pub async fn clear_cooldowns(engine: &Engine, body: &[u8]) -> Result<Value, Admi
             match e.state.clear(req.include_terminal) {
                 Cleared::Cleared => {
                     cleared += 1;
-                    let mut row = change(Table::Connections, &conn_key(p, c), Some(&*e));
-                    // An operator's clear may lift a terminal state, also on a shared
-                    // store, which otherwise keeps terminal states (SPEC §7.1).
-                    if let Some(serde_json::Value::Object(m)) = &mut row.value {
-                        m.insert("cleared".into(), Value::Bool(true));
-                    }
-                    changes.push(row);
+                    // Only a clear that includes terminal states may lift one another
+                    // node set (a shared store keeps them otherwise, SPEC §7.1).
+                    changes.push(if req.include_terminal {
+                        crate::engine::state::cleared_row(&conn_key(p, c), &e)
+                    } else {
+                        change(Table::Connections, &conn_key(p, c), Some(&*e))
+                    });
                 }
                 Cleared::Unchanged => unchanged += 1,
                 Cleared::SkippedTerminal => skipped += 1,

@@ -102,6 +102,26 @@ impl Cluster {
         }
     }
 
+    /// An acquire whose answer was lost (timed out after the script ran) may have stored
+    /// a lease nobody holds the token of: it is released once Redis answers (five tries,
+    /// 1.5 s apart), so the connection is not held for the lease's whole TTL.
+    pub fn release_later(self: &Arc<Self>, client: String, token: String) {
+        let me = self.clone();
+        self.rt.spawn(async move {
+            for _ in 0..5 {
+                tokio::time::sleep(std::time::Duration::from_millis(1_500)).await;
+                // Released, or unknown because it was never stored: done either way.
+                if me
+                    .lease_release(&client, &token, crate::clock::unix_ms())
+                    .await
+                    .is_ok()
+                {
+                    return;
+                }
+            }
+        });
+    }
+
     /// Renew: same generation, expiry `now + ttl`.
     pub async fn lease_renew(
         self: &Arc<Self>,

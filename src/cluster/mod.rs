@@ -62,6 +62,9 @@ pub struct Cluster {
     /// Permits this node holds, by ticket id: the scope keys and the member to renew.
     held: Mutex<HashMap<u64, (Vec<String>, String)>>,
     tickets: AtomicU64,
+    /// Permits to give back that could not be while Redis was not answering (a call
+    /// that timed out may have taken one): the next heartbeat sends them.
+    give_back: Mutex<Vec<(Vec<String>, String)>>,
     errors: prometheus::IntCounter,
     up: Arc<AtomicBool>,
     scripts: scripts::Scripts,
@@ -102,6 +105,7 @@ impl Cluster {
             live: AtomicU32::new(1),
             held: Mutex::new(HashMap::new()),
             tickets: AtomicU64::new(0),
+            give_back: Mutex::new(Vec::new()),
             errors,
             up,
             scripts: scripts::Scripts::new(),
@@ -136,8 +140,13 @@ impl Cluster {
         }
         let me = self.clone();
         let task = self.rt.spawn(async move { me.run(f).await });
-        task.await
-            .unwrap_or_else(|_| Err(ClusterError("the cluster call was cancelled".into())))
+        // Bounded here too: a cluster thread that does not get to the call must not hold
+        // a request (the call's own limit runs on that thread).
+        match tokio::time::timeout(CALL_TIMEOUT * 2, task).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(ClusterError("the cluster call was cancelled".into())),
+            Err(_) => Err(self.failed("the cluster thread did not answer in time")),
+        }
     }
 
     /// [`Cluster::call`]'s body, for a task already on this module's runtime.
@@ -219,7 +228,9 @@ impl Cluster {
             .values()
             .cloned()
             .collect();
-        let live: u32 = self
+        let owed = std::mem::take(&mut *self.give_back.lock().unwrap_or_else(|p| p.into_inner()));
+        let unsent = owed.clone();
+        let live: Result<u32, ClusterError> = self
             .call(move |mut c| async move {
                 let mut pipe = redis::pipe();
                 pipe.cmd("ZADD")
@@ -244,10 +255,25 @@ impl Cluster {
                             .ignore();
                     }
                 }
+                for (keys, member) in &owed {
+                    for key in keys {
+                        pipe.cmd("ZREM").arg(key).arg(member).ignore();
+                    }
+                }
                 let (live,): (u32,) = pipe.query_async(&mut c).await?;
                 Ok(live)
             })
-            .await?;
+            .await;
+        let live = match live {
+            Ok(n) => n,
+            Err(e) => {
+                self.give_back
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .extend(unsent);
+                return Err(e);
+            }
+        };
         self.live.store(live.max(1), Ordering::Relaxed);
         Ok(())
     }

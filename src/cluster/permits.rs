@@ -13,6 +13,9 @@ use super::{Cluster, ClusterError, PERMIT_TTL};
 use crate::policy::Millis;
 use std::sync::Arc;
 
+/// Most give-backs kept for the heartbeat while Redis does not answer.
+const MAX_OWED: usize = 10_000;
+
 /// One attempt's place in its scopes' cluster-wide counts; given back on drop.
 pub struct Ticket {
     cluster: Arc<Cluster>,
@@ -42,6 +45,12 @@ impl Drop for Ticket {
                 .quiet_until
                 .load(std::sync::atomic::Ordering::Relaxed)
         {
+            // Redis is not answering: the heartbeat gives it back once it does (bounded:
+            // past that, permits are left to their expiry).
+            let mut owed = cluster.give_back.lock().unwrap_or_else(|p| p.into_inner());
+            if owed.len() < MAX_OWED {
+                owed.push((keys, member));
+            }
             return;
         }
         self.cluster.rt.spawn(async move {

@@ -9,7 +9,7 @@
 //! `POST /api/config/reload`. A reload that would open the client listener or drop the
 //! admin token is refused like an invalid one (`weakens_access`).
 
-use super::state::{change, lock};
+use super::state::lock;
 use super::{fingerprint, BaseConfig, Engine, Snapshot};
 use crate::config::settings;
 use crate::config::{self, Problem};
@@ -338,11 +338,7 @@ impl Engine {
                         tracing::info!(provider = %p.id, connection = %c.id, "credential changed: terminal state cleared");
                     }
                     e.credential = new_fp;
-                    changes.push(change(
-                        Table::Connections,
-                        &format!("{}/{}", p.id, c.id),
-                        Some(&*e),
-                    ));
+                    changes.push(super::state::cleared_row(&format!("{}/{}", p.id, c.id), &e));
                 }
             }
         }

@@ -325,7 +325,11 @@ impl Engine {
                     return Err(LeaseRefusal::NoneEligible { retry_at: soonest })
                 }
                 Ok(Acquired::Refused(e)) => return Err(LeaseRefusal::Lease(e)),
-                Err(e) => return Err(LeaseRefusal::Store(StoreError::Io(e.0))),
+                Err(e) => {
+                    // The script may have run: never leave a lease no client can use.
+                    cluster.release_later(client.to_owned(), token);
+                    return Err(LeaseRefusal::Store(StoreError::Io(e.0)));
+                }
             }
         }
         Err(LeaseRefusal::Store(StoreError::Io(

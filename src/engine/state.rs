@@ -121,6 +121,17 @@ pub fn change<T: Serialize>(table: Table, key: &str, value: Option<&T>) -> Chang
     }
 }
 
+/// A connection row that lifts a terminal state on purpose (an operator's clear, a new
+/// credential): marked `"cleared": true`, which a shared store requires before it lets a
+/// row that is not terminal replace a terminal one (SPEC §7.1).
+pub fn cleared_row(key: &str, entry: &ConnEntry) -> Change {
+    let mut row = change(Table::Connections, key, Some(entry));
+    if let Some(serde_json::Value::Object(m)) = &mut row.value {
+        m.insert("cleared".into(), serde_json::Value::Bool(true));
+    }
+    row
+}
+
 impl Tables {
     pub fn provider(&self, id: &str) -> Shared<ProviderEntry> {
         get_or_insert(&self.providers, id)
