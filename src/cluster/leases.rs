@@ -12,8 +12,7 @@ use crate::policy::lease::{owner_hash, Lease, LeaseError};
 use crate::policy::Millis;
 use std::sync::Arc;
 
-/// The change stream keeps about this many entries (as `store::redis` does).
-const STREAM_KEEP: usize = 10_000;
+use crate::store::redis::STREAM_KEEP;
 
 /// What a cluster acquire came back with.
 pub enum Acquired {

@@ -82,13 +82,7 @@ impl Cluster {
     ) -> Result<Arc<Cluster>, ClusterError> {
         let client = redis::Client::open(url)
             .map_err(|_| ClusterError("the state.redis URL is not a valid redis:// URL".into()))?;
-        let place = match &client.get_connection_info().addr {
-            redis::ConnectionAddr::Tcp(h, p)
-            | redis::ConnectionAddr::TcpTls {
-                host: h, port: p, ..
-            } => format!("redis {h}:{p}"),
-            redis::ConnectionAddr::Unix(p) => format!("redis {}", p.display()),
-        };
+        let place = crate::store::place_of(&client);
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -276,20 +270,5 @@ impl Cluster {
         };
         self.live.store(live.max(1), Ordering::Relaxed);
         Ok(())
-    }
-
-    /// Takes this node off the live list (a clean shutdown); errors are ignored.
-    pub async fn leave(self: &Arc<Self>) {
-        let nodes = self.key("nodes");
-        let node = self.node.clone();
-        let _ = self
-            .call(move |mut c| async move {
-                redis::cmd("ZREM")
-                    .arg(&nodes)
-                    .arg(&node)
-                    .query_async::<()>(&mut c)
-                    .await
-            })
-            .await;
     }
 }

@@ -12,7 +12,7 @@
 pub mod handover;
 mod memory;
 mod redb;
-mod redis;
+pub(crate) mod redis;
 mod writer;
 
 use std::collections::BTreeMap;
@@ -20,7 +20,7 @@ use std::path::PathBuf;
 
 pub use self::memory::MemoryStore;
 pub use self::redb::RedbStore;
-pub use self::redis::RedisStore;
+pub use self::redis::{place_of, RedisStore};
 pub use self::writer::{CommitWait, StoreWriter};
 
 /// The tables Sluice persists.

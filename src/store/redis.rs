@@ -37,15 +37,7 @@ impl RedisStore {
             path: "redis".into(),
             message: "the state.redis URL is not a valid redis:// URL".into(),
         })?;
-        let place = match &client.get_connection_info().addr {
-            redis::ConnectionAddr::Tcp(h, p)
-            | redis::ConnectionAddr::TcpTls {
-                host: h, port: p, ..
-            } => {
-                format!("redis {h}:{p}")
-            }
-            redis::ConnectionAddr::Unix(p) => format!("redis {}", p.display()),
-        };
+        let place = place_of(&client);
         Ok(RedisStore {
             client,
             prefix: prefix.to_owned(),
@@ -197,10 +189,22 @@ impl RedisStore {
     }
 }
 
+/// Where a client connects, for messages: host and port (or socket path), never the
+/// password the URL may hold.
+pub fn place_of(client: &redis::Client) -> String {
+    match &client.get_connection_info().addr {
+        redis::ConnectionAddr::Tcp(h, p)
+        | redis::ConnectionAddr::TcpTls {
+            host: h, port: p, ..
+        } => format!("redis {h}:{p}"),
+        redis::ConnectionAddr::Unix(p) => format!("redis {}", p.display()),
+    }
+}
+
 /// Most stream entries read per poll.
 const STREAM_READ: usize = 1_000;
 /// The change stream keeps about this many entries (trimmed as it grows).
-const STREAM_KEEP: usize = 10_000;
+pub(crate) const STREAM_KEEP: usize = 10_000;
 
 /// Applies a batch atomically (a script runs alone) and announces each change on the
 /// stream. KEYS[1] is the stream, KEYS[1 + j] change j's hash; ARGV: node, stream length
