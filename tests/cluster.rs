@@ -296,9 +296,9 @@ fn redis_killed_mid_traffic_loses_no_request_and_sharing_resumes() {
     let (sent, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     let traffic: Vec<_> = g
         .iter()
-        // Two clients per node on a cap of 4: with Redis down each node's share is 1,
-        // and its waiter must not count against it.
-        .flat_map(|node| [node.client, node.client])
+        // Three clients per node on a cap of 4: with Redis down each node's share is 1,
+        // and its waiters (holding the local permits) must not count against it.
+        .flat_map(|node| [node.client; 3])
         .map(|addr| {
             let (stop, sent, failed) = (stop.clone(), sent.clone(), failed.clone());
             std::thread::spawn(move || {
@@ -318,28 +318,57 @@ fn redis_killed_mid_traffic_loses_no_request_and_sharing_resumes() {
             })
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(700));
+    // The upstream's most attempts in flight at once since the last call.
+    let peak = || {
+        let st = mock.stats();
+        mock.reset();
+        st["max_inflight"].as_u64().unwrap()
+    };
+    // Every node has counted the others (the share of a node that has not is the cap).
+    for node in &g {
+        assert!(wait_until(Duration::from_secs(5), || {
+            node.admin_get("/ready").json()["state_backend"]["live_nodes"] == 3
+        }));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        (2..=4).contains(&peak()),
+        "up: a cap of 4 across the cluster"
+    );
     redis.stop();
-    let during = sent.load(Ordering::Relaxed);
     // Down: every node keeps serving and says so.
     for node in &g {
         assert!(wait_until(Duration::from_secs(5), || {
             let r = node.admin_get("/ready");
-            r.status == 200 && r.json()["state_backend"]["reachable"] == false
+            let b = &r.json()["state_backend"];
+            r.status == 200 && b["reachable"] == false && b["caps"] == "share"
         }));
     }
+    // The attempts admitted before the outage are over by now.
+    std::thread::sleep(Duration::from_millis(200));
+    peak();
+    let during = sent.load(Ordering::Relaxed);
     std::thread::sleep(Duration::from_millis(1500));
     assert!(
         sent.load(Ordering::Relaxed) > during + 20,
         "traffic went on while Redis was down"
     );
+    assert!(peak() <= 3, "down: a share of 4 ÷ 3 = 1 per node");
+    // Back, empty (no persistence): the nodes write the attempts they admitted on their
+    // shares before any of them takes permits from Redis again.
     let redis = Redis::start_on(port);
     for node in &g {
         assert!(wait_until(Duration::from_secs(10), || {
             node.admin_get("/ready").json()["state_backend"]["reachable"] == true
         }));
     }
-    std::thread::sleep(Duration::from_millis(500));
+    for node in &g {
+        assert!(wait_until(Duration::from_secs(10), || {
+            node.admin_get("/ready").json()["state_backend"]["caps"] == "cluster"
+        }));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(peak() <= 4, "back: the cap of 4 holds through the recovery");
     stop.store(true, Ordering::Relaxed);
     for t in traffic {
         t.join().unwrap();

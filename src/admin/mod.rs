@@ -179,15 +179,21 @@ fn readiness(engine: &Engine) -> (bool, Value) {
     (ready, details)
 }
 
-/// `{"kind": "redb"}` or `{"kind": "redis", "reachable": bool}`.
+/// `{"kind": "redb"}` or `{"kind": "redis", "reachable": bool, ...}` with the live node
+/// count and how cluster-wide caps are kept (`cluster`, `share`, `recovering`).
 pub fn state_backend(engine: &Engine) -> Value {
     match engine.shared_state.get() {
         None => json!({"kind": "redb"}),
-        Some(up) => json!({
-            "kind": "redis",
-            "reachable": up.load(std::sync::atomic::Ordering::Relaxed),
-            "errors": engine.metrics.state_backend_errors_total.get(),
-        }),
+        Some(up) => {
+            let cluster = engine.cluster.get();
+            json!({
+                "kind": "redis",
+                "reachable": up.load(std::sync::atomic::Ordering::Relaxed),
+                "errors": engine.metrics.state_backend_errors_total.get(),
+                "live_nodes": cluster.map(|c| c.live_nodes()),
+                "caps": cluster.map(|c| c.caps_mode()),
+            })
+        }
     }
 }
 

@@ -6,12 +6,16 @@
 //! What it protects: a connection leased to two owners at once across the cluster, and
 //! a `max_concurrent: N` that becomes N per node. Invariants: every Redis call runs on
 //! this module's own single-threaded runtime with a time limit, so a Redis that hangs
-//! costs a request at most [`CALL_TIMEOUT`]; after a failed call, calls fail at once for
-//! [`QUIET`] (an outage costs requests nothing but their fallback) and every failure is
-//! counted in `sluice_state_backend_errors_total` and turns the node's `reachable` flag
-//! off; the URL is never logged (errors name host and port only). This node is listed in
-//! `<key_prefix>nodes` with an expiry it renews, so every node knows how many are alive
-//! (the cap ÷ live nodes fallback), and it renews the expiry of the permits it holds.
+//! costs a request at most [`CALL_TIMEOUT`]; after a failed call, requests' calls fail at
+//! once (an outage costs them nothing but their fallback) until the heartbeat, the only
+//! caller that keeps trying, finds Redis answering (admissions keep to the node's share
+//! for [`RECOVERY`] more); every failure
+//! is counted in `sluice_state_backend_errors_total` and turns the node's `reachable`
+//! flag off; the URL is never logged (errors name host and port only). This node is
+//! listed in `<key_prefix>nodes` with an expiry it renews, so every node knows how many
+//! are alive (the cap ÷ live nodes fallback), and each heartbeat writes every permit the
+//! node holds — the ones admitted on its share while Redis was down too, so Redis knows
+//! the attempts in flight before any node takes permits from it again.
 
 mod leases;
 mod permits;
@@ -30,10 +34,12 @@ use std::time::Duration;
 
 /// Longest a strongly consistent call may take before it counts as failed.
 pub const CALL_TIMEOUT: Duration = Duration::from_millis(500);
-/// After a failed call, how long further calls fail without trying.
-pub const QUIET: Duration = Duration::from_secs(1);
 /// How often this node renews its own listing and its permits.
 pub const HEARTBEAT: Duration = Duration::from_secs(1);
+/// After an outage, how long a node keeps to its share once its heartbeat finds Redis
+/// answering: longer than a heartbeat (and its call), so every live node has written the
+/// permits it admitted on its share before any node counts on Redis's numbers again.
+pub const RECOVERY: Duration = Duration::from_millis(1_500);
 /// A node not heard from for this long no longer counts as alive.
 pub const NODE_TTL: Duration = Duration::from_secs(5);
 /// A permit's expiry, renewed every [`HEARTBEAT`] while its attempt lasts: a node killed
@@ -55,8 +61,10 @@ pub struct Cluster {
     rt: tokio::runtime::Handle,
     conn: Mutex<Option<MultiplexedConnection>>,
     connecting: AtomicBool,
-    /// Unix ms before which calls fail at once (set after a failure).
-    quiet_until: AtomicU64,
+    /// `u64::MAX` from a failed call until a heartbeat finds Redis answering (requests'
+    /// calls fail at once meanwhile); then the unix ms at which the node's recovery
+    /// ends, [`RECOVERY`] after that heartbeat.
+    usable_from: AtomicU64,
     /// Nodes alive at the last heartbeat (at least 1: this one).
     live: AtomicU32,
     /// Permits this node holds, by ticket id: the scope keys and the member to renew.
@@ -95,7 +103,7 @@ impl Cluster {
             rt: rt.handle().clone(),
             conn: Mutex::new(None),
             connecting: AtomicBool::new(false),
-            quiet_until: AtomicU64::new(0),
+            usable_from: AtomicU64::new(0),
             live: AtomicU32::new(1),
             held: Mutex::new(HashMap::new()),
             tickets: AtomicU64::new(0),
@@ -118,6 +126,39 @@ impl Cluster {
         self.live.load(Ordering::Relaxed).max(1)
     }
 
+    /// Sets the live count a heartbeat would have seen (tests of the outage share).
+    #[cfg(test)]
+    pub(crate) fn assume_live(&self, n: u32) {
+        self.live.store(n, Ordering::Relaxed);
+    }
+
+    /// How cluster-wide caps are kept right now, for `/ready` and the health page:
+    /// `"cluster"` (permits from Redis), `"share"` (Redis down: cap ÷ live nodes per
+    /// node) or `"recovering"` (both, until every node has written its permits).
+    pub fn caps_mode(&self) -> &'static str {
+        if self.down() {
+            "share"
+        } else if self.recovering() {
+            "recovering"
+        } else {
+            "cluster"
+        }
+    }
+
+    /// Whether requests' calls fail at once: a call failed and no heartbeat has found
+    /// Redis answering since.
+    fn down(&self) -> bool {
+        self.usable_from.load(Ordering::Acquire) == u64::MAX
+    }
+
+    /// Whether Redis answers again after an outage but not every node may have written
+    /// the permits it admitted on its share yet ([`RECOVERY`]): admissions then need a
+    /// permit from Redis and a place in the share both.
+    pub fn recovering(&self) -> bool {
+        let from = self.usable_from.load(Ordering::Acquire);
+        from != u64::MAX && crate::clock::unix_ms() < from
+    }
+
     fn key(&self, name: &str) -> String {
         format!("{}{name}", self.prefix)
     }
@@ -129,7 +170,7 @@ impl Cluster {
         F: FnOnce(MultiplexedConnection) -> Fut + Send + 'static,
         Fut: Future<Output = redis::RedisResult<T>> + Send,
     {
-        if crate::clock::unix_ms() < self.quiet_until.load(Ordering::Relaxed) {
+        if self.down() {
             return Err(ClusterError(format!("{}: not answering", self.place)));
         }
         let me = self.clone();
@@ -194,12 +235,11 @@ impl Cluster {
             tracing::warn!(backend = %self.place, error = %what, "cluster: the shared state does not answer; leases refuse, caps fall back to their share per node");
         }
         *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        let quiet = crate::clock::unix_ms().saturating_add(QUIET.as_millis() as Millis);
-        self.quiet_until.store(quiet, Ordering::Relaxed);
+        self.usable_from.store(u64::MAX, Ordering::Release);
         ClusterError(format!("{}: {what}", self.place))
     }
 
-    /// Every [`HEARTBEAT`]: list this node, count the live ones, renew held permits.
+    /// Every [`HEARTBEAT`]: list this node, count the live ones, write held permits.
     async fn heartbeat_loop(self: Arc<Self>) {
         let mut tick = tokio::time::interval(HEARTBEAT);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -210,22 +250,24 @@ impl Cluster {
         }
     }
 
+    /// Runs on this module's runtime, and tries Redis even while requests do not.
     async fn heartbeat(self: &Arc<Self>) -> Result<(), ClusterError> {
         let now = crate::clock::unix_ms();
         let nodes = self.key("nodes");
         let node = self.node.clone();
         let permit_until = now.saturating_add(PERMIT_TTL.as_millis() as Millis);
-        let held: Vec<(Vec<String>, String)> = self
+        let held: Vec<(u64, (Vec<String>, String))> = self
             .held
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .values()
-            .cloned()
+            .iter()
+            .map(|(id, p)| (*id, p.clone()))
             .collect();
         let owed = std::mem::take(&mut *self.give_back.lock().unwrap_or_else(|p| p.into_inner()));
         let unsent = owed.clone();
+        let written = held.clone();
         let live: Result<u32, ClusterError> = self
-            .call(move |mut c| async move {
+            .run(move |mut c| async move {
                 let mut pipe = redis::pipe();
                 pipe.cmd("ZADD")
                     .arg(&nodes)
@@ -238,12 +280,12 @@ impl Cluster {
                     .arg(now)
                     .ignore();
                 pipe.cmd("ZCARD").arg(&nodes);
-                for (keys, member) in &held {
+                // Written, not only renewed: a permit Redis lost (restarted empty) or
+                // never saw (admitted on the share) is counted again.
+                for (_, (keys, member)) in &written {
                     for key in keys {
-                        // XX: a permit given up meanwhile is not brought back.
                         pipe.cmd("ZADD")
                             .arg(key)
-                            .arg("XX")
                             .arg(permit_until)
                             .arg(member)
                             .ignore();
@@ -268,7 +310,40 @@ impl Cluster {
                 return Err(e);
             }
         };
-        self.live.store(live.max(1), Ordering::Relaxed);
+        // Back from an outage, the nodes list again one heartbeat after another (all of
+        // them, if Redis restarted empty): the count the shares were cut by holds until
+        // the recovery ends, or the first node back would take every node's share.
+        if self.down() || self.recovering() {
+            self.live.fetch_max(live.max(1), Ordering::Relaxed);
+        } else {
+            self.live.store(live.max(1), Ordering::Relaxed);
+        }
+        // A permit given back while this heartbeat was on its way may have been written
+        // again after its removal: the next heartbeat removes it once more.
+        {
+            let still = self.held.lock().unwrap_or_else(|p| p.into_inner());
+            let gone: Vec<_> = held
+                .into_iter()
+                .filter(|(id, _)| !still.contains_key(id))
+                .map(|(_, p)| p)
+                .collect();
+            drop(still);
+            let mut owed = self.give_back.lock().unwrap_or_else(|p| p.into_inner());
+            for p in gone {
+                if owed.len() < permits::MAX_OWED {
+                    owed.push(p);
+                }
+            }
+        }
+        // Back after an outage: requests count on Redis again once every node has had a
+        // heartbeat to write its permits (unless a call failed meanwhile).
+        let recovered = crate::clock::unix_ms().saturating_add(RECOVERY.as_millis() as Millis);
+        let _ = self.usable_from.compare_exchange(
+            u64::MAX,
+            recovered,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
         Ok(())
     }
 }

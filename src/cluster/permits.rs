@@ -7,14 +7,16 @@
 //! gives its permit back when dropped, whatever happened to the attempt (and when the
 //! call that took it was abandoned half-way); the heartbeat renews the expiry of held
 //! permits, so only a node that stopped renewing (killed, cut off) loses them, and then
-//! they come back to the others [`super::PERMIT_TTL`] after its last renewal.
+//! they come back to the others [`super::PERMIT_TTL`] after its last renewal. An attempt
+//! admitted on the node's share while Redis is down holds a ticket as well, written to
+//! Redis by the first heartbeat Redis answers: reconciling is counting it there.
 
 use super::{Cluster, ClusterError, PERMIT_TTL};
 use crate::policy::Millis;
 use std::sync::Arc;
 
 /// Most give-backs kept for the heartbeat while Redis does not answer.
-const MAX_OWED: usize = 10_000;
+pub(super) const MAX_OWED: usize = 10_000;
 
 /// One attempt's place in its scopes' cluster-wide counts; given back on drop.
 pub struct Ticket {
@@ -40,11 +42,7 @@ impl Drop for Ticket {
         let keys = std::mem::take(&mut self.keys);
         let member = std::mem::take(&mut self.member);
         // A release that fails leaves the permit to its expiry (it is no longer renewed).
-        if crate::clock::unix_ms()
-            < cluster
-                .quiet_until
-                .load(std::sync::atomic::Ordering::Relaxed)
-        {
+        if cluster.down() {
             // Redis is not answering: the heartbeat gives it back once it does (bounded:
             // past that, permits are left to their expiry).
             let mut owed = cluster.give_back.lock().unwrap_or_else(|p| p.into_inner());
@@ -74,6 +72,35 @@ impl Cluster {
         self.key(&format!("permits:{scope}"))
     }
 
+    fn ticket(self: &Arc<Self>, scopes: &[(String, u32)]) -> Ticket {
+        let id = self
+            .tickets
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ticket {
+            cluster: self.clone(),
+            id,
+            keys: scopes.iter().map(|(k, _)| k.clone()).collect(),
+            member: format!("{}:{id}", self.node),
+            give_back: true,
+        }
+    }
+
+    fn hold(&self, ticket: &Ticket) {
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(ticket.id, (ticket.keys.clone(), ticket.member.clone()));
+    }
+
+    /// A permit for an attempt admitted on this node's share while Redis does not
+    /// answer: the heartbeat writes it to Redis once Redis does, so the attempt counts
+    /// against the cap there for as long as it lasts.
+    pub fn share_ticket(self: &Arc<Self>, scopes: &[(String, u32)]) -> Ticket {
+        let ticket = self.ticket(scopes);
+        self.hold(&ticket);
+        ticket
+    }
+
     /// Takes a permit in every `(key, cap)` scope at once: `Some` when taken, `None`
     /// when one of them is at its cap.
     pub async fn permit(
@@ -82,16 +109,7 @@ impl Cluster {
     ) -> Result<Option<Ticket>, ClusterError> {
         // Expiries are compared across nodes: unix time, not a request's clock.
         let now = crate::clock::unix_ms();
-        let id = self
-            .tickets
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut ticket = Ticket {
-            cluster: self.clone(),
-            id,
-            keys: scopes.iter().map(|(k, _)| k.clone()).collect(),
-            member: format!("{}:{id}", self.node),
-            give_back: true,
-        };
+        let mut ticket = self.ticket(scopes);
         let keys = ticket.keys.clone();
         let member = ticket.member.clone();
         let caps: Vec<u32> = scopes.iter().map(|(_, n)| *n).collect();
@@ -112,10 +130,7 @@ impl Cluster {
             .await;
         match taken {
             Ok(1) => {
-                self.held
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(id, (ticket.keys.clone(), ticket.member.clone()));
+                self.hold(&ticket);
                 Ok(Some(ticket))
             }
             Ok(_) => {

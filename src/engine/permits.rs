@@ -29,6 +29,10 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 pub struct Counters {
     pub inflight: AtomicU32,
     pub waiting: AtomicU32,
+    /// Attempts admitted cluster-wide (a permit from Redis, or a place in this node's
+    /// share while Redis does not answer); requests that hold the local permits while
+    /// they wait for the cluster's are not among them.
+    pub admitted: AtomicU32,
 }
 
 #[derive(Default)]
@@ -59,11 +63,36 @@ pub struct PermitGuard {
     _permits: Vec<OwnedSemaphorePermit>,
     /// The cluster-wide permit, when the node shares its caps (SPEC §7.1).
     _ticket: Option<Ticket>,
+    /// Whether the attempt counts in [`Counters::admitted`].
+    admitted: bool,
     counters: Arc<Counters>,
 }
 
 impl PermitGuard {
-    fn with_ticket(mut self, ticket: Ticket) -> PermitGuard {
+    /// Counts the attempt in [`Counters::admitted`] if fewer than `share` are (or it is
+    /// already counted).
+    fn count_within(&mut self, share: u32) -> bool {
+        if !self.admitted {
+            self.admitted = self
+                .counters
+                .admitted
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    (n < share).then_some(n + 1)
+                })
+                .is_ok();
+        }
+        self.admitted
+    }
+
+    fn uncount(&mut self) {
+        if std::mem::take(&mut self.admitted) {
+            self.counters.admitted.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// The attempt admitted cluster-wide with `ticket`.
+    fn admit(mut self, ticket: Ticket) -> PermitGuard {
+        self.count_within(u32::MAX);
         self._ticket = Some(ticket);
         self
     }
@@ -72,6 +101,9 @@ impl PermitGuard {
 impl Drop for PermitGuard {
     fn drop(&mut self) {
         self.counters.inflight.fetch_sub(1, Ordering::AcqRel);
+        if self.admitted {
+            self.counters.admitted.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
@@ -147,23 +179,31 @@ impl Limits {
     /// After the local permits, the cluster-wide one (SPEC §7.1), when caps are shared:
     /// `Err` gives the local permits back to the caller when the cluster is at its cap.
     /// When Redis does not answer, this node keeps to its share of the connection's
-    /// cap, `max_concurrent ÷ live nodes` (at least 1); a model cap stays per node then.
-    pub async fn admit(&self, guard: PermitGuard) -> Result<PermitGuard, PermitGuard> {
+    /// cap, `max_concurrent ÷ live nodes` (at least 1), counting the attempts already
+    /// admitted (with a permit from before the outage or on the share), not the ones
+    /// waiting; a model cap stays per node then. While the cluster recovers from an
+    /// outage, an attempt needs a place in the share and a permit from Redis both.
+    pub async fn admit(&self, mut guard: PermitGuard) -> Result<PermitGuard, PermitGuard> {
         let Some(s) = &self.shared else {
             return Ok(guard);
         };
+        let share = s
+            .conn_cap
+            .map_or(u32::MAX, |cap| (cap / s.cluster.live_nodes()).max(1));
+        // Counted before the call, so a wait dropped during it gives the place back.
+        if s.cluster.recovering() && !guard.count_within(share) {
+            return Err(guard);
+        }
         match s.cluster.permit(&s.scopes).await {
-            Ok(Some(ticket)) => Ok(guard.with_ticket(ticket)),
-            Ok(None) => Err(guard),
-            Err(_) => {
-                let share = s.conn_cap.map(|cap| (cap / s.cluster.live_nodes()).max(1));
-                // The in-flight count includes this attempt's own guard.
-                if share.is_none_or(|n| self.inflight() <= n) {
-                    Ok(guard)
-                } else {
-                    Err(guard)
-                }
+            Ok(Some(ticket)) => Ok(guard.admit(ticket)),
+            Ok(None) => {
+                guard.uncount();
+                Err(guard)
             }
+            Err(_) if guard.count_within(share) => {
+                Ok(guard.admit(s.cluster.share_ticket(&s.scopes)))
+            }
+            Err(_) => Err(guard),
         }
     }
 
@@ -197,6 +237,7 @@ impl Limits {
         PermitGuard {
             _permits: held,
             _ticket: None,
+            admitted: false,
             counters: self.counters.clone(),
         }
     }
@@ -328,6 +369,37 @@ mod tests {
         );
         drop((o, running));
         waiter.await.unwrap().unwrap();
+    }
+
+    /// With Redis down a node keeps to its share of the cap; requests that hold the
+    /// local permits while they wait for the share do not count against it, or two
+    /// waiters on a share of 1 would refuse each other forever.
+    #[tokio::test]
+    async fn an_outage_share_counts_admitted_attempts_not_waiters() {
+        let p = Permits::default();
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("redis://{}/", closed.local_addr().unwrap());
+        drop(closed);
+        let errors = prometheus::IntCounter::new("e", "e").unwrap();
+        let up = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let cluster = Cluster::start(&url, "t:", "n1", errors.clone(), up).unwrap();
+        // Cap 4 over three live nodes: a share of 1.
+        cluster.assume_live(3);
+        p.cluster.set(cluster).ok().unwrap();
+        let l = limits(&p, Some(4), None);
+        let first = l.admit(l.try_acquire().unwrap()).await.ok().unwrap();
+        let second = l.admit(l.try_acquire().unwrap()).await.err().unwrap();
+        let third = l.admit(l.try_acquire().unwrap()).await.err().unwrap();
+        assert_eq!(l.inflight(), 3, "the waiters hold their local permits");
+        drop(first);
+        let second = l.admit(second).await.ok().expect("the share is free again");
+        let third = l.admit(third).await.err().expect("one at a time");
+        drop(second);
+        let third = l.admit(third).await.ok().unwrap();
+        drop(third);
+        assert_eq!(l.counters.admitted.load(Ordering::Acquire), 0);
+        assert_eq!(l.inflight(), 0);
+        assert!(errors.get() > 0, "the failed calls are counted");
     }
 
     #[test]
