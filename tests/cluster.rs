@@ -211,6 +211,79 @@ fn max_concurrent_holds_across_three_nodes() {
 }
 
 #[test]
+fn a_busy_capped_connection_takes_permits_in_blocks_and_returns_them_when_idle() {
+    let redis = Redis::start();
+    let mock = Mock::start(&["--fault", "latency=40ms"]);
+    // A cap of 48 over three nodes: each may keep 48 ÷ (8 × 3) = 2 permits idle.
+    let yaml = config(
+        &mock.base_url(),
+        ", max_concurrent: 48",
+        "resilience:\n  queue: { wait: \"30s\" }\n",
+    );
+    let g = nodes(&yaml, &redis.url(), 3);
+    // One after another on one node: the first asks Redis for three, the rest reuse them.
+    let seen = redis.monitor();
+    for _ in 0..30 {
+        let r = call(
+            &g[0],
+            "/v1/chat/completions",
+            PLAIN,
+            r#"{"model":"only-k1"}"#,
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    // The permit script's own calls (not the commands it runs, shown as "lua"): one ask
+    // shows twice (the first EVALSHA answers NOSCRIPT and is sent again); asking per
+    // attempt would show 30 or more.
+    let asked = seen.count(&["\"EVALSHA\"", "c:permits:p/k1"])
+        + seen.count(&["\"EVAL\"", "c:permits:p/k1"]);
+    assert!(
+        (1..=4).contains(&asked),
+        "30 attempts asked Redis {asked} times"
+    );
+    drop(seen);
+    // 150 at once over three nodes: every one answered, the cap held.
+    mock.reset();
+    for r in spread(&g, 150) {
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let st = mock.stats();
+    assert_eq!(st["total"], 150, "{st}");
+    let peak = st["max_inflight"].as_u64().unwrap();
+    assert!(
+        (2..=48).contains(&peak),
+        "a cap of 48 across the cluster: {st}"
+    );
+    // Quiet again, every node gives its reserve back within two heartbeats.
+    let held = || {
+        let r = redis.command(&["ZCARD", "c:permits:p/k1"]);
+        r.trim().trim_start_matches(':').parse::<u64>().unwrap()
+    };
+    assert!(held() > 0, "the nodes keep a reserve while busy");
+    assert!(
+        wait_until(Duration::from_secs(5), || held() == 0),
+        "an idle node returned its permits"
+    );
+    // Redis emptied without any call failing: every node notices at its next heartbeat
+    // and keeps to its share until all have written their permits back.
+    assert!(redis.command(&["FLUSHALL"]).contains("OK"));
+    for node in &g {
+        assert!(
+            wait_until(Duration::from_secs(5), || node.admin_get("/ready").json()
+                ["state_backend"]["caps"]
+                == "recovering"),
+            "a node did not notice Redis lost its data"
+        );
+    }
+    for node in &g {
+        assert!(wait_until(Duration::from_secs(10), || node
+            .admin_get("/ready")
+            .json()["state_backend"]["caps"]
+            == "cluster"));
+    }
+}
+
+#[test]
 fn concurrent_429s_across_three_nodes_raise_the_backoff_level_once() {
     let redis = Redis::start();
     let mock = Mock::start(&[]);

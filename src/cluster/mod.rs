@@ -19,6 +19,7 @@
 
 mod leases;
 mod permits;
+mod pool;
 mod scripts;
 
 pub use leases::Acquired;
@@ -37,9 +38,9 @@ pub const CALL_TIMEOUT: Duration = Duration::from_millis(500);
 /// How often this node renews its own listing and its permits.
 pub const HEARTBEAT: Duration = Duration::from_secs(1);
 /// After an outage, how long a node keeps to its share once its heartbeat finds Redis
-/// answering: longer than a heartbeat (and its call), so every live node has written the
+/// answering: two heartbeats and their calls, so every live node has written the
 /// permits it admitted on its share before any node counts on Redis's numbers again.
-pub const RECOVERY: Duration = Duration::from_millis(1_500);
+pub const RECOVERY: Duration = Duration::from_secs(3);
 /// A node not heard from for this long no longer counts as alive.
 pub const NODE_TTL: Duration = Duration::from_secs(5);
 /// A permit's expiry, renewed every [`HEARTBEAT`] while its attempt lasts: a node killed
@@ -60,19 +61,27 @@ pub struct Cluster {
     place: String,
     rt: tokio::runtime::Handle,
     conn: Mutex<Option<MultiplexedConnection>>,
-    connecting: AtomicBool,
+    /// Held while connecting: one connect at a time, the others wait for its outcome.
+    connecting: tokio::sync::Mutex<()>,
+    /// Connects tried so far (a waiter whose connect was tried by another takes its
+    /// outcome rather than trying again).
+    connects: AtomicU64,
     /// `u64::MAX` from a failed call until a heartbeat finds Redis answering (requests'
     /// calls fail at once meanwhile); then the unix ms at which the node's recovery
     /// ends, [`RECOVERY`] after that heartbeat.
     usable_from: AtomicU64,
     /// Nodes alive at the last heartbeat (at least 1: this one).
     live: AtomicU32,
-    /// Permits this node holds, by ticket id: the scope keys and the member to renew.
-    held: Mutex<HashMap<u64, (Vec<String>, String)>>,
+    /// The permits this node holds, by scope key (its sorted set).
+    pools: Mutex<HashMap<String, pool::Pool>>,
+    /// Numbers the permits' member names.
     tickets: AtomicU64,
-    /// Permits to give back that could not be while Redis was not answering (a call
-    /// that timed out may have taken one): the next heartbeat sends them.
-    give_back: Mutex<Vec<(Vec<String>, String)>>,
+    /// The mark Redis held at the last heartbeat (`<prefix>epoch`).
+    epoch: Mutex<Option<String>>,
+    /// Permits (scope key, member) to give back that could not be while Redis was not
+    /// answering (a call that timed out may have taken some): the next heartbeat sends
+    /// them.
+    owed: Mutex<Vec<(String, String)>>,
     errors: prometheus::IntCounter,
     up: Arc<AtomicBool>,
     scripts: scripts::Scripts,
@@ -102,12 +111,14 @@ impl Cluster {
             place,
             rt: rt.handle().clone(),
             conn: Mutex::new(None),
-            connecting: AtomicBool::new(false),
+            connecting: tokio::sync::Mutex::new(()),
+            connects: AtomicU64::new(0),
             usable_from: AtomicU64::new(0),
             live: AtomicU32::new(1),
-            held: Mutex::new(HashMap::new()),
+            pools: Mutex::new(HashMap::new()),
             tickets: AtomicU64::new(0),
-            give_back: Mutex::new(Vec::new()),
+            epoch: Mutex::new(None),
+            owed: Mutex::new(Vec::new()),
             errors,
             up,
             scripts: scripts::Scripts::new(),
@@ -147,7 +158,7 @@ impl Cluster {
 
     /// Whether requests' calls fail at once: a call failed and no heartbeat has found
     /// Redis answering since.
-    fn down(&self) -> bool {
+    pub fn down(&self) -> bool {
         self.usable_from.load(Ordering::Acquire) == u64::MAX
     }
 
@@ -203,14 +214,22 @@ impl Cluster {
         }
     }
 
-    /// The open connection, or a new one (one connect at a time; others fail at once).
+    /// The open connection, or a new one (one connect at a time: a call that finds one
+    /// under way waits for it, and fails with it).
     async fn connection(&self) -> Result<MultiplexedConnection, ClusterError> {
-        if let Some(c) = self.conn.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+        let open = || self.conn.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(c) = open() {
             return Ok(c);
         }
-        if self.connecting.swap(true, Ordering::AcqRel) {
-            return Err(ClusterError(format!("{}: connecting", self.place)));
+        let tried = self.connects.load(Ordering::Acquire);
+        let _one = self.connecting.lock().await;
+        if let Some(c) = open() {
+            return Ok(c);
         }
+        if self.connects.load(Ordering::Acquire) != tried {
+            return Err(ClusterError(format!("{}: not answering", self.place)));
+        }
+        self.connects.fetch_add(1, Ordering::AcqRel);
         let made = self
             .client
             .get_multiplexed_async_connection_with_config(
@@ -219,7 +238,6 @@ impl Cluster {
                     .set_response_timeout(CALL_TIMEOUT),
             )
             .await;
-        self.connecting.store(false, Ordering::Release);
         match made {
             Ok(c) => {
                 *self.conn.lock().unwrap_or_else(|p| p.into_inner()) = Some(c.clone());
@@ -245,28 +263,42 @@ impl Cluster {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            // A failed heartbeat is counted like any call; the next one retries.
-            let _ = self.heartbeat().await;
+            // A failed heartbeat is counted like any call; the next one retries. Right
+            // after an outage, once more at once: the share permits admitted while the
+            // first was on its way are written too before the recovery counts on them.
+            if let Ok(true) = self.heartbeat().await {
+                let _ = self.heartbeat().await;
+            }
         }
     }
 
     /// Runs on this module's runtime, and tries Redis even while requests do not.
-    async fn heartbeat(self: &Arc<Self>) -> Result<(), ClusterError> {
+    /// `Ok(true)` when it ended an outage.
+    async fn heartbeat(self: &Arc<Self>) -> Result<bool, ClusterError> {
         let now = crate::clock::unix_ms();
         let nodes = self.key("nodes");
+        let epoch_key = self.key("epoch");
+        // A mark Redis keeps while it keeps its data: a new one means it lost them.
+        let mark = format!("{}:{now}", self.node);
         let node = self.node.clone();
         let permit_until = now.saturating_add(PERMIT_TTL.as_millis() as Millis);
-        let held: Vec<(u64, (Vec<String>, String))> = self
-            .held
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .map(|(id, p)| (*id, p.clone()))
-            .collect();
-        let owed = std::mem::take(&mut *self.give_back.lock().unwrap_or_else(|p| p.into_inner()));
+        // Every permit held, and the ones idle for a whole beat to give back.
+        let (held, idle) = {
+            let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+            let mut held = Vec::new();
+            let mut idle = Vec::new();
+            for (key, pool) in pools.iter_mut() {
+                idle.extend(pool.beat().into_iter().map(|m| (key.clone(), m)));
+                held.extend(pool.members().map(|m| (key.clone(), m.clone())));
+            }
+            pools.retain(|_, p| !p.is_empty());
+            (held, idle)
+        };
+        let mut owed = std::mem::take(&mut *self.owed.lock().unwrap_or_else(|p| p.into_inner()));
+        owed.extend(idle);
         let unsent = owed.clone();
         let written = held.clone();
-        let live: Result<u32, ClusterError> = self
+        let answer: Result<(u32, String), ClusterError> = self
             .run(move |mut c| async move {
                 let mut pipe = redis::pipe();
                 pipe.cmd("ZADD")
@@ -280,36 +312,58 @@ impl Cluster {
                     .arg(now)
                     .ignore();
                 pipe.cmd("ZCARD").arg(&nodes);
+                pipe.cmd("SET")
+                    .arg(&epoch_key)
+                    .arg(&mark)
+                    .arg("NX")
+                    .ignore();
+                pipe.cmd("GET").arg(&epoch_key);
                 // Written, not only renewed: a permit Redis lost (restarted empty) or
                 // never saw (admitted on the share) is counted again.
-                for (_, (keys, member)) in &written {
-                    for key in keys {
-                        pipe.cmd("ZADD")
-                            .arg(key)
-                            .arg(permit_until)
-                            .arg(member)
-                            .ignore();
-                    }
+                for (key, member) in &written {
+                    pipe.cmd("ZADD")
+                        .arg(key)
+                        .arg(permit_until)
+                        .arg(member)
+                        .ignore();
                 }
-                for (keys, member) in &owed {
-                    for key in keys {
-                        pipe.cmd("ZREM").arg(key).arg(member).ignore();
-                    }
+                for (key, member) in &owed {
+                    pipe.cmd("ZREM").arg(key).arg(member).ignore();
                 }
-                let (live,): (u32,) = pipe.query_async(&mut c).await?;
-                Ok(live)
+                pipe.query_async::<(u32, String)>(&mut c).await
             })
             .await;
-        let live = match live {
-            Ok(n) => n,
+        // A permit given back while this heartbeat was on its way may have been written
+        // again after its removal: the next heartbeat removes it once more (whether this
+        // one was answered or not: Redis may have run it).
+        let gone: Vec<_> = {
+            let pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+            held.into_iter()
+                .filter(|(k, m)| !pools.get(k).is_some_and(|p| p.holds(m)))
+                .collect()
+        };
+        self.owe(gone);
+        let (live, epoch) = match answer {
+            Ok(a) => a,
             Err(e) => {
-                self.give_back
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .extend(unsent);
+                self.owe(unsent);
                 return Err(e);
             }
         };
+        // Redis restarted without its data while this node went on lending permits it
+        // held (no call failed): the same recovery as after an outage, this beat having
+        // written them back.
+        let lost = {
+            let mut seen = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
+            let lost = seen.as_ref().is_some_and(|e| *e != epoch);
+            *seen = Some(epoch);
+            lost
+        };
+        if lost && !self.down() {
+            tracing::warn!(backend = %self.place, "cluster: the shared state restarted without its data; caps keep to their share per node until every node has written its permits");
+            let until = crate::clock::unix_ms().saturating_add(RECOVERY.as_millis() as Millis);
+            self.usable_from.store(until, Ordering::Release);
+        }
         // Back from an outage, the nodes list again one heartbeat after another (all of
         // them, if Redis restarted empty): the count the shares were cut by holds until
         // the recovery ends, or the first node back would take every node's share.
@@ -318,32 +372,12 @@ impl Cluster {
         } else {
             self.live.store(live.max(1), Ordering::Relaxed);
         }
-        // A permit given back while this heartbeat was on its way may have been written
-        // again after its removal: the next heartbeat removes it once more.
-        {
-            let still = self.held.lock().unwrap_or_else(|p| p.into_inner());
-            let gone: Vec<_> = held
-                .into_iter()
-                .filter(|(id, _)| !still.contains_key(id))
-                .map(|(_, p)| p)
-                .collect();
-            drop(still);
-            let mut owed = self.give_back.lock().unwrap_or_else(|p| p.into_inner());
-            for p in gone {
-                if owed.len() < permits::MAX_OWED {
-                    owed.push(p);
-                }
-            }
-        }
         // Back after an outage: requests count on Redis again once every node has had a
         // heartbeat to write its permits (unless a call failed meanwhile).
         let recovered = crate::clock::unix_ms().saturating_add(RECOVERY.as_millis() as Millis);
-        let _ = self.usable_from.compare_exchange(
-            u64::MAX,
-            recovered,
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        );
-        Ok(())
+        Ok(self
+            .usable_from
+            .compare_exchange(u64::MAX, recovered, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok())
     }
 }

@@ -133,22 +133,31 @@ return {'none'}
 "#;
 
 /// KEYS: one sorted set per limited scope (member → expiry). ARGV[1] now, ARGV[2] the
-/// new permit's expiry, ARGV[3] its member, ARGV[3 + i] the cap of `KEYS[i]`. Takes a
-/// place in every scope or in none: expired places are dropped first (a crashed node's
-/// permits come back this way). Returns 1 when taken, 0 when a scope is full.
+/// new permits' expiry; then per key its cap, a count n and n member names offered.
+/// Takes permits in every scope or in none: expired ones are dropped first (a crashed
+/// node's permits come back this way); a scope with no room refuses them all (an empty
+/// reply); otherwise as many of the offered names as fit, and the reply says how many
+/// per scope (at least 1 each).
 const PERMIT: &str = r#"
-local now, expires, member = ARGV[1], ARGV[2], ARGV[3]
+local now, expires = ARGV[1], ARGV[2]
+local plan, a = {}, 3
 for i, key in ipairs(KEYS) do
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-  if not redis.call('ZSCORE', key, member)
-    and redis.call('ZCARD', key) >= tonumber(ARGV[3 + i]) then
-    return 0
+  local cap, n = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  local room = cap - redis.call('ZCARD', key)
+  if room < 1 then return {} end
+  plan[i] = {a + 2, math.min(n, room)}
+  a = a + 2 + n
+end
+local out = {}
+for i, key in ipairs(KEYS) do
+  local first, k = plan[i][1], plan[i][2]
+  for j = 0, k - 1 do
+    redis.call('ZADD', key, expires, ARGV[first + j])
   end
+  out[i] = k
 end
-for _, key in ipairs(KEYS) do
-  redis.call('ZADD', key, expires, member)
-end
-return 1
+return out
 "#;
 
 /// The scripts, loaded once per process (Redis caches them by SHA-1).

@@ -49,8 +49,9 @@ struct Shared {
     cluster: Arc<Cluster>,
     /// (sorted set, cap) per limited scope.
     scopes: Vec<(String, u32)>,
-    /// The connection's `max_concurrent`, shared out when Redis does not answer.
-    conn_cap: Option<u32>,
+    /// Per limited scope, the attempts this node admitted in it and the cap shared out
+    /// when Redis does not answer (the connection's counters; the model scope's own).
+    counted: Vec<(Arc<Counters>, u32)>,
 }
 
 /// Pause between two tries of a request waiting for a cluster-wide permit (plus up to as
@@ -63,36 +64,47 @@ pub struct PermitGuard {
     _permits: Vec<OwnedSemaphorePermit>,
     /// The cluster-wide permit, when the node shares its caps (SPEC §7.1).
     _ticket: Option<Ticket>,
-    /// Whether the attempt counts in [`Counters::admitted`].
-    admitted: bool,
+    /// The scopes' counters the attempt counts in as admitted (empty: not admitted).
+    admitted: Vec<Arc<Counters>>,
     counters: Arc<Counters>,
 }
 
 impl PermitGuard {
-    /// Counts the attempt in [`Counters::admitted`] if fewer than `share` are (or it is
-    /// already counted).
-    fn count_within(&mut self, share: u32) -> bool {
-        if !self.admitted {
-            self.admitted = self
-                .counters
+    /// Counts the attempt as admitted in every scope of `counted` if each has a place:
+    /// fewer admitted than its cap ÷ `live` nodes (at least 1), or any number without
+    /// `live`. True when counted (now or before).
+    fn count_within(&mut self, counted: &[(Arc<Counters>, u32)], live: Option<u32>) -> bool {
+        if !self.admitted.is_empty() || counted.is_empty() {
+            return true;
+        }
+        for (i, (c, cap)) in counted.iter().enumerate() {
+            let share = live.map_or(u32::MAX, |n| (cap / n.max(1)).max(1));
+            let placed = c
                 .admitted
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                     (n < share).then_some(n + 1)
                 })
                 .is_ok();
+            if !placed {
+                for (c, _) in &counted[..i] {
+                    c.admitted.fetch_sub(1, Ordering::AcqRel);
+                }
+                return false;
+            }
         }
-        self.admitted
+        self.admitted = counted.iter().map(|(c, _)| c.clone()).collect();
+        true
     }
 
     fn uncount(&mut self) {
-        if std::mem::take(&mut self.admitted) {
-            self.counters.admitted.fetch_sub(1, Ordering::AcqRel);
+        for c in self.admitted.drain(..) {
+            c.admitted.fetch_sub(1, Ordering::AcqRel);
         }
     }
 
     /// The attempt admitted cluster-wide with `ticket`.
-    fn admit(mut self, ticket: Ticket) -> PermitGuard {
-        self.count_within(u32::MAX);
+    fn admit(mut self, counted: &[(Arc<Counters>, u32)], ticket: Ticket) -> PermitGuard {
+        self.count_within(counted, None);
         self._ticket = Some(ticket);
         self
     }
@@ -101,9 +113,7 @@ impl PermitGuard {
 impl Drop for PermitGuard {
     fn drop(&mut self) {
         self.counters.inflight.fetch_sub(1, Ordering::AcqRel);
-        if self.admitted {
-            self.counters.admitted.fetch_sub(1, Ordering::AcqRel);
-        }
+        self.uncount();
     }
 }
 
@@ -179,31 +189,35 @@ impl Limits {
     /// After the local permits, the cluster-wide one (SPEC §7.1), when caps are shared:
     /// `Err` gives the local permits back to the caller when the cluster is at its cap.
     /// When Redis does not answer, this node keeps to its share of the connection's
-    /// cap, `max_concurrent ÷ live nodes` (at least 1), counting the attempts already
-    /// admitted (with a permit from before the outage or on the share), not the ones
-    /// waiting; a model cap stays per node then. While the cluster recovers from an
-    /// outage, an attempt needs a place in the share and a permit from Redis both.
+    /// caps, `cap ÷ live nodes` (at least 1) for `max_concurrent` and for the model's
+    /// `model_concurrency` alike, counting the attempts already admitted (with a permit
+    /// from before the outage or on the share), not the ones waiting. While the cluster
+    /// recovers from an outage, an attempt needs a place in the share and a permit from
+    /// Redis both.
     pub async fn admit(&self, mut guard: PermitGuard) -> Result<PermitGuard, PermitGuard> {
         let Some(s) = &self.shared else {
             return Ok(guard);
         };
-        let share = s
-            .conn_cap
-            .map_or(u32::MAX, |cap| (cap / s.cluster.live_nodes()).max(1));
+        let live = Some(s.cluster.live_nodes());
         // Counted before the call, so a wait dropped during it gives the place back.
-        if s.cluster.recovering() && !guard.count_within(share) {
+        if s.cluster.recovering() && !guard.count_within(&s.counted, live) {
             return Err(guard);
         }
         match s.cluster.permit(&s.scopes).await {
-            Ok(Some(ticket)) => Ok(guard.admit(ticket)),
+            Ok(Some(ticket)) => Ok(guard.admit(&s.counted, ticket)),
             Ok(None) => {
                 guard.uncount();
                 Err(guard)
             }
-            Err(_) if guard.count_within(share) => {
-                Ok(guard.admit(s.cluster.share_ticket(&s.scopes)))
+            // Only an outage puts the node on its share; a call that failed otherwise
+            // (the node's first connect under way) is a cluster that is full for now.
+            Err(_) if s.cluster.down() && guard.count_within(&s.counted, live) => {
+                Ok(guard.admit(&s.counted, s.cluster.share_ticket(&s.scopes)))
             }
-            Err(_) => Err(guard),
+            Err(_) => {
+                guard.uncount();
+                Err(guard)
+            }
         }
     }
 
@@ -237,7 +251,7 @@ impl Limits {
         PermitGuard {
             _permits: held,
             _ticket: None,
-            admitted: false,
+            admitted: Vec::new(),
             counters: self.counters.clone(),
         }
     }
@@ -291,16 +305,19 @@ impl Permits {
     ) -> Limits {
         let shared = self.cluster.get().and_then(|cluster| {
             let mut scopes = Vec::with_capacity(2);
+            let mut counted = Vec::with_capacity(2);
             if let Some(n) = conn_limit {
                 scopes.push((cluster.permit_key(conn_key), n));
+                counted.push((self.counters(conn_key), n));
             }
             if let Some((k, n)) = model {
                 scopes.push((cluster.permit_key(k), n));
+                counted.push((self.counters(k), n));
             }
             (!scopes.is_empty()).then(|| Shared {
                 cluster: cluster.clone(),
                 scopes,
-                conn_cap: conn_limit,
+                counted,
             })
         });
         Limits {
@@ -398,6 +415,17 @@ mod tests {
         let third = l.admit(third).await.ok().unwrap();
         drop(third);
         assert_eq!(l.counters.admitted.load(Ordering::Acquire), 0);
+        // A model cap is shared out too: 3 over three nodes, one per node.
+        let m = limits(&p, None, Some(3));
+        let a = m.admit(m.try_acquire().unwrap()).await.ok().unwrap();
+        let b = m.admit(m.try_acquire().unwrap()).await.err().unwrap();
+        drop(a);
+        drop(
+            m.admit(b)
+                .await
+                .ok()
+                .expect("the model share is free again"),
+        );
         assert_eq!(l.inflight(), 0);
         assert!(errors.get() > 0, "the failed calls are counted");
     }

@@ -65,6 +65,28 @@ impl Redis {
         String::from_utf8_lossy(&buf[..n]).into_owned()
     }
 
+    /// Every command Redis runs from now on (`MONITOR`), collected in the background.
+    pub fn monitor(&self) -> Monitor {
+        use std::io::{BufRead, BufReader, Write};
+        let mut s = TcpStream::connect(self.addr).unwrap();
+        s.write_all(b"MONITOR\r\n").unwrap();
+        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (reader, sink) = (s.try_clone().unwrap(), lines.clone());
+        std::thread::spawn(move || {
+            for line in BufReader::new(reader).lines() {
+                let Ok(line) = line else { break };
+                sink.lock().unwrap().push(line);
+            }
+        });
+        // The reply to MONITOR itself comes first.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while lines.lock().unwrap().is_empty() {
+            assert!(Instant::now() < deadline, "MONITOR did not answer");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Monitor { stream: s, lines }
+    }
+
     pub fn stop(mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -75,5 +97,29 @@ impl Drop for Redis {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// What [`Redis::monitor`] has seen so far; stops watching when dropped.
+pub struct Monitor {
+    stream: TcpStream,
+    lines: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Monitor {
+    /// Commands seen whose line contains every one of `parts`.
+    pub fn count(&self, parts: &[&str]) -> usize {
+        self.lines
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| parts.iter().all(|p| l.contains(p)))
+            .count()
+    }
+}
+
+impl Drop for Monitor {
+    fn drop(&mut self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
 }
