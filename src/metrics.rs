@@ -32,7 +32,22 @@ pub struct Metrics {
     pub store_write_errors_total: prometheus::IntCounter,
     /// Failed calls to the shared state backend (Redis): commits and change reads.
     pub state_backend_errors_total: prometheus::IntCounter,
+    /// 1 while a connection's Claude subscription lane is on (SPEC §5.13).
+    pub subscription_lane_active: IntGaugeVec,
+    pub subscription_events_total: IntCounterVec,
 }
+
+/// `sluice_subscription_events_total{event}` values (SPEC §5.13).
+pub const SUBSCRIPTION_EVENTS: [&str; 8] = [
+    "wall",
+    "limit_reset_claimed",
+    "limit_reset_unavailable",
+    "limit_reset_failed",
+    "lane_entered",
+    "lane_wait",
+    "lane_ended",
+    "lane_max_wait",
+];
 
 /// `sluice_queue_rejections_total{reason}` values.
 pub const QUEUE_REJECTIONS: [&str; 2] = ["queue_full", "queue_timeout"];
@@ -182,6 +197,23 @@ impl Metrics {
         for reason in QUEUE_REJECTIONS {
             queue_rejections_total.with_label_values(&[reason]);
         }
+        let subscription_lane_active = IntGaugeVec::new(
+            Opts::new(
+                "sluice_subscription_lane_active",
+                "1 while a Claude subscription connection sends on the low-priority lane",
+            ),
+            &["provider", "connection"],
+        )?;
+        let subscription_events_total = IntCounterVec::new(
+            Opts::new(
+                "sluice_subscription_events_total",
+                "Claude subscription lane events: usage walls, limit resets, lane entries, waits and ends",
+            ),
+            &["event"],
+        )?;
+        for event in SUBSCRIPTION_EVENTS {
+            subscription_events_total.with_label_values(&[event]);
+        }
         for c in [
             Box::new(requests_total.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(attempts_total.clone()),
@@ -203,6 +235,8 @@ impl Metrics {
             Box::new(leases_active.clone()),
             Box::new(store_write_errors_total.clone()),
             Box::new(state_backend_errors_total.clone()),
+            Box::new(subscription_lane_active.clone()),
+            Box::new(subscription_events_total.clone()),
         ] {
             registry.register(c)?;
         }
@@ -228,6 +262,8 @@ impl Metrics {
             leases_active,
             store_write_errors_total,
             state_backend_errors_total,
+            subscription_lane_active,
+            subscription_events_total,
         })
     }
 

@@ -127,10 +127,13 @@ pub fn cooldowns(engine: &Engine, provider: Option<&str>) -> Value {
         .filter(|p| provider.is_none_or(|x| x == p.id))
     {
         for c in &p.connections {
-            let st = engine
+            let (st, sub) = engine
                 .tables
                 .connection_if_any(&p.id, &c.id)
-                .map(|e| lock(&e).state.clone())
+                .map(|e| {
+                    let e = lock(&e);
+                    (e.state.clone(), e.subscription)
+                })
                 .unwrap_or_default();
             let (state, remaining) = match st.eligibility(now) {
                 Eligibility::Eligible => ("ok", 0),
@@ -147,9 +150,35 @@ pub fn cooldowns(engine: &Engine, provider: Option<&str>) -> Value {
                 "last_error_reason": st.last_error_reason.map(|r| r.as_str()),
                 "last_status": st.last_status,
             }));
+            if let (Some(cfg), Some(Value::Object(row))) = (&c.subscription, rows.last_mut()) {
+                row.insert("subscription".into(), subscription_json(cfg, &sub, now));
+            }
         }
     }
     json!({ "connections": rows })
+}
+
+/// A subscription connection's lane and limit-reset memory (SPEC §5.13).
+fn subscription_json(
+    cfg: &crate::config::Subscription,
+    s: &crate::policy::subscription::SubState,
+    now: crate::policy::Millis,
+) -> Value {
+    let left = |until: crate::policy::Millis| until.saturating_sub(now).div_ceil(1000);
+    let at = |t: crate::policy::Millis| (t > 0).then(|| crate::policy::timefmt::format_rfc3339(t));
+    let lane = s.lane.filter(|_| s.lane_active(now));
+    json!({
+        "low_priority": cfg.low_priority,
+        "limit_reset": cfg.limit_reset,
+        "lane": if lane.is_some() { "active" } else { "off" },
+        "lane_since": lane.and_then(|l| at(l.since)),
+        "lane_remaining_s": lane.map_or(0, |l| left(l.until)),
+        "cool_off_remaining_s": left(s.cool_off_until),
+        "budget_exhausted_remaining_s": left(s.budget_exhausted_until),
+        "limit_reset_available_in_s": left(s.reset_available_at),
+        "limit_reset_retry_in_s": left(s.reset_retry_at),
+        "limit_reset_claimed_at": at(s.reset_claimed_at),
+    })
 }
 
 #[derive(Deserialize, Default)]

@@ -109,6 +109,20 @@ pub struct RawConnection {
     pub retry_delay: Option<String>,
     #[serde(default)]
     pub disable_cooling: bool,
+    /// Read as [`RawSubscription`] with its own field path.
+    pub subscription: Option<Value>,
+}
+
+/// `providers[].connections[].subscription` (SPEC §5.13).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawSubscription {
+    #[serde(default)]
+    pub low_priority: bool,
+    #[serde(default)]
+    pub limit_reset: bool,
+    pub organization_uuid: Option<String>,
+    pub oauth_base: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

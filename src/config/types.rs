@@ -215,6 +215,29 @@ pub struct Connection {
     pub bucket: Option<String>,
     pub retry_delay: Option<Duration>,
     pub disable_cooling: bool,
+    /// The Claude subscription lane (SPEC §5.13); only on `class: oauth` Anthropic
+    /// providers.
+    pub subscription: Option<Subscription>,
+}
+
+/// `connections[].subscription`, validated: at least one of the two mechanisms is on
+/// (a block with both off is dropped), and `limit_reset` has its organization.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Subscription {
+    pub low_priority: bool,
+    pub limit_reset: bool,
+    pub organization_uuid: Option<String>,
+    /// Where the usage check and the claim go (default: the provider's base URL).
+    pub oauth_base: Option<BaseUrl>,
+}
+
+impl Subscription {
+    pub fn settings(&self) -> crate::policy::subscription::Settings {
+        crate::policy::subscription::Settings {
+            low_priority: self.low_priority,
+            limit_reset: self.limit_reset,
+        }
+    }
 }
 
 /// `providers[].http2`: HTTP/2 to the upstream.

@@ -4,7 +4,7 @@
 //! Both processes serve during the drain, so a forwarded entry may be older than what
 //! this process learned since. Invariants: a forwarded change is applied only when it
 //! is worse news than what this process holds — a connection cooling longer, a terminal
-//! state, a model lockout lasting longer — or concerns an entry this process does not
+//! state, a model lockout lasting longer, a subscription memory learnt later — or concerns an entry this process does not
 //! have (a pin); what is applied reaches memory and this process's store alike, so the
 //! two never disagree. The rest is dropped and counted: breaker transitions (the new
 //! process's breaker judges from its own traffic), lease and override rows, deletes.
@@ -34,7 +34,11 @@ impl Engine {
                 Table::Breakers | Table::Leases | Table::Overrides => false,
             };
             if take {
-                taken.push(c);
+                taken.push(match c.table {
+                    // What memory now holds (the subscription memory may be a merge).
+                    Table::Connections => self.connection_row(&c.key).unwrap_or(c),
+                    _ => c,
+                });
             }
         }
         let n = taken.len();
@@ -55,10 +59,25 @@ impl Engine {
         let mut ours = lock(&entry);
         let worse = (theirs.state.terminal.is_some() && ours.state.terminal.is_none())
             || theirs.state.cooling_until(now) > ours.state.cooling_until(now);
+        // The subscription lane's memory is merged on its own (SPEC §5.13): a lane the
+        // predecessor entered during its drain must not cost this process another wall.
+        let mut sub = ours.subscription;
+        let sub_later = sub.merge_later(&theirs.subscription);
         if worse {
             *ours = theirs;
         }
-        worse
+        if sub_later || worse {
+            ours.subscription = sub;
+        }
+        worse || sub_later
+    }
+
+    /// The store row of a connection entry as memory holds it.
+    fn connection_row(&self, key: &str) -> Option<Change> {
+        let (provider, connection) = key.split_once('/')?;
+        let entry = self.tables.connection_if_any(provider, connection)?;
+        let e = lock(&entry);
+        Some(super::state::change(Table::Connections, key, Some(&*e)))
     }
 
     /// A forwarded model lockout replaces ours when it lasts longer.

@@ -17,6 +17,7 @@ pub mod sessions;
 pub mod settle;
 mod shortcut;
 pub mod state;
+mod subscription;
 #[cfg(test)]
 pub mod testing;
 
@@ -687,6 +688,15 @@ impl Engine {
                 m.connection_cooling
                     .with_label_values(&[p.id.as_str(), c.id.as_str()])
                     .set(cooling);
+                if c.subscription.is_some() {
+                    let lane = self
+                        .tables
+                        .connection_if_any(&p.id, &c.id)
+                        .is_some_and(|e| lock(&e).subscription.lane_active(now));
+                    m.subscription_lane_active
+                        .with_label_values(&[p.id.as_str(), c.id.as_str()])
+                        .set(i64::from(lane));
+                }
                 for t in [
                     crate::policy::TerminalState::Banned,
                     crate::policy::TerminalState::Expired,

@@ -12,6 +12,7 @@
 use crate::policy::breaker::Breaker;
 use crate::policy::cooldown::ConnState;
 use crate::policy::lockout::Lockout;
+use crate::policy::subscription::SubState;
 use crate::policy::window_gate::WindowGate;
 use crate::policy::{Millis, Reason};
 use crate::store::{Change, Image, Table};
@@ -34,6 +35,9 @@ pub struct ConnEntry {
     pub state: ConnState,
     #[serde(default)]
     pub credential: Option<String>,
+    /// The Claude subscription lane's memory (SPEC §5.13); empty for other connections.
+    #[serde(default, skip_serializing_if = "SubState::is_empty")]
+    pub subscription: SubState,
 }
 
 /// Lockout of one (provider, connection, model key).

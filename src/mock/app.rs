@@ -4,8 +4,9 @@
 //! if asked → whole body read → remembered as "last request" → in flight (guard) → fault
 //! resolved (the request's `x-mock-fault` header when its conditions match, else the
 //! process fault; see [`fault::resolve`]) → delays → error or success, whole or
-//! streamed. Control routes (`/__stats`, `/__fault`, `/__reset`) skip all counting and
-//! faults so tests can always observe and steer the mock.
+//! streamed. Control routes (`/__stats`, `/__fault`, `/__reset`, `/__subscription`) skip
+//! all counting and faults so tests can always observe and steer the mock; an armed
+//! subscription account answers `/v1/messages` before any fault (`subscription.rs`).
 //!
 //! Invariants: a connection is handed back for keep-alive only after a response was
 //! written completely; every deliberate truncation (reset, stall) and every failed write
@@ -38,6 +39,7 @@ use super::fault::{self, Fault, FaultSlot};
 use super::render::{self, Answer};
 use super::route::Route;
 use super::stats::Stats;
+use super::subscription::Subscription;
 
 /// Largest request body the mock accepts (413 above it); far beyond any test's needs.
 const MAX_BODY: usize = 256 * 1024 * 1024;
@@ -68,6 +70,7 @@ pub struct MockApp {
     stats: Stats,
     fault: FaultSlot,
     next_id: AtomicU64,
+    subscription: Subscription,
 }
 
 /// What to do with the connection once the handler returns.
@@ -98,6 +101,8 @@ enum Target {
     Stats,
     Fault,
     Reset,
+    Subscription,
+    OAuth,
     NotFound(String),
 }
 
@@ -124,6 +129,7 @@ impl MockApp {
             stats: Stats::default(),
             fault: FaultSlot::default(),
             next_id: AtomicU64::new(1),
+            subscription: Subscription::default(),
         })
     }
 
@@ -143,13 +149,18 @@ impl MockApp {
             Target::Fault
         } else if req.method == Method::POST && path == "/__reset" {
             Target::Reset
+        } else if req.method == Method::POST && path == "/__subscription" {
+            Target::Subscription
+        } else if path.starts_with("/api/") {
+            Target::OAuth
         } else {
             Target::NotFound(format!("no route for {} {}", req.method, path))
         };
         match target {
             Target::Api(route) => self.serve_api(session, route).await,
             Target::Stats => {
-                let doc = self.stats.to_json(&self.name, self.fault.describe());
+                let mut doc = self.stats.to_json(&self.name, self.fault.describe());
+                doc["subscription"] = self.subscription.to_json();
                 let body = serde_json::to_vec(&doc).unwrap_or_default();
                 self.write_whole(session, 200, JSON, Bytes::from(body), None)
                     .await
@@ -173,6 +184,40 @@ impl MockApp {
             Target::Reset => {
                 self.stats.reset();
                 self.ok(session).await
+            }
+            Target::Subscription => {
+                let body = match read_body(session, MAX_CONTROL_BODY).await {
+                    Ok(b) => b,
+                    Err(e) => return self.body_error(session, false, e).await,
+                };
+                match self.subscription.set(&body) {
+                    Ok(()) => self.ok(session).await,
+                    Err(msg) => self.error(session, false, 400, &msg, None).await,
+                }
+            }
+            Target::OAuth => {
+                let body = match read_body(session, MAX_CONTROL_BODY).await {
+                    Ok(b) => b,
+                    Err(e) => return self.body_error(session, true, e).await,
+                };
+                let req = session.req_header();
+                let answer = self.subscription.on_oauth(
+                    &req.method,
+                    req.uri.path(),
+                    req.uri.query(),
+                    &req.headers,
+                    &body,
+                );
+                match answer {
+                    Some(a) => {
+                        self.write_whole(session, a.status, JSON, Bytes::from(a.body), None)
+                            .await
+                    }
+                    None => {
+                        let msg = format!("no route for {}", session.req_header().uri.path());
+                        self.error(session, true, 404, &msg, None).await
+                    }
+                }
             }
             Target::NotFound(msg) => self.error(session, false, 404, &msg, None).await,
         }
@@ -211,7 +256,12 @@ impl MockApp {
                     .await
             }
         };
-        let fault = fault.as_deref();
+        // An armed subscription account answers its messages as the plan says.
+        let account = match route {
+            Route::Messages => self.subscription.on_message(&session.req_header().headers),
+            _ => None,
+        };
+        let fault = account.as_ref().or(fault.as_deref());
 
         if fault.and_then(|f| f.reset_after) == Some(0) {
             return End::Close;

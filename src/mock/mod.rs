@@ -2,7 +2,8 @@
 //! used as the upstream in integration tests and benchmarks.
 //!
 //! One listener serves the API routes (`/v1/...`), streaming and not, plus control routes
-//! (`/__stats`, `/__fault`, `/__reset`). Answers are pure functions of the request and the
+//! (`/__stats`, `/__fault`, `/__reset`, `/__subscription`: a Claude subscription account
+//! at its usage wall, with the OAuth usage and reset routes under `/api/`). Answers are pure functions of the request and the
 //! mock's settings, so tests can assert exact shapes; faults (status, delays, slow, stalled
 //! or cut streams) come from `--fault`, `POST /__fault` or a per-request `x-mock-fault`
 //! header, all in the grammar of [`fault::Fault::parse`].
@@ -20,6 +21,7 @@ pub mod fault;
 mod render;
 mod route;
 mod stats;
+mod subscription;
 
 use std::io::Write;
 use std::time::Duration;

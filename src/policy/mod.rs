@@ -21,6 +21,7 @@ pub mod timefmt;
 pub mod affinity;
 pub mod lease;
 pub mod redact;
+pub mod subscription;
 pub mod watchdog;
 
 use serde::{Deserialize, Serialize};

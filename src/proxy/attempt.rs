@@ -97,6 +97,8 @@ pub(super) struct Call<'r, 'a> {
     pub pick: Pick,
     /// The request's execution deadline.
     pub deadline: Instant,
+    /// The connection's subscription lane is on: the request carries the slow header.
+    pub slow: bool,
 }
 
 impl Call<'_, '_> {
@@ -263,9 +265,14 @@ async fn send(
             .snap
             .upstream_model(call.req.model, call.pick.target, &call.req.body.model);
     let body = call.req.body.with_model(upstream_model);
-    let Ok(req) =
-        upstream::request_header(call.req.header, call.req.route.path(), p, conn, body.len())
-    else {
+    let Ok(req) = upstream::request_header(
+        call.req.header,
+        call.req.route.path(),
+        p,
+        conn,
+        body.len(),
+        call.slow,
+    ) else {
         return Err(broken(
             TransportKind::Reset,
             Cause::Reset,

@@ -23,6 +23,7 @@ pub mod resolve;
 pub mod respond;
 pub mod routes;
 pub mod stream;
+pub mod subscription;
 pub mod transport;
 pub mod upstream;
 pub mod watch;

@@ -16,6 +16,7 @@ use super::ctx::{AttemptRecord, Request, RequestCtx};
 use super::queue::{wait_for_permit, Permitted};
 use super::respond;
 use super::stream::{stream, StreamEnd};
+use super::subscription::{self, Rounds, Then};
 use super::watch::ClientWatch;
 use crate::clock::monotonic;
 use crate::codes::ErrorCode;
@@ -197,14 +198,7 @@ impl Driver<'_> {
         let engine = self.req.engine;
         let started = engine.now();
         let inflight = Inflight::start(&self.req, pick);
-        let end = {
-            let call = Call {
-                req: &self.req,
-                pick,
-                deadline: self.deadline,
-            };
-            attempt(session, &mut self.watch, &call, ctx).await
-        };
+        let end = self.attempt_rounds(session, pick, ctx).await;
         let info = info(&self.req, pick, started, slot.probe, fsm.is_last_attempt());
         let settled = engine.settle(&info, outcome_of(&end)).await;
         if let Some(v) = &settled.verdict {
@@ -227,6 +221,35 @@ impl Driver<'_> {
         }
         drop((inflight, slot));
         Step::Next(fsm.on_ended(settled.ended, engine.now()))
+    }
+
+    /// One attempt, sent again on the same pick while the subscription lane asks for it
+    /// (SPEC §5.13): a usage wall it takes, a claimed limit reset, a busy slow slot.
+    async fn attempt_rounds(
+        &mut self,
+        session: &mut Session,
+        pick: Pick,
+        ctx: &mut RequestCtx,
+    ) -> AttemptEnd {
+        let mut rounds = Rounds::default();
+        loop {
+            let call = Call {
+                req: &self.req,
+                pick,
+                deadline: self.deadline,
+                slow: self.req.engine.lane_active(self.req.snap, pick),
+            };
+            let end = attempt(session, &mut self.watch, &call, ctx).await;
+            match subscription::after(session, &mut self.watch, &call, &end, &mut rounds).await {
+                Then::Settle => return end,
+                Then::Again(wait) => {
+                    drop(end);
+                    if !wait.is_zero() && !self.watch.sleep(session, wait).await {
+                        return AttemptEnd::ClientGone;
+                    }
+                }
+            }
+        }
     }
 
     async fn queue(

@@ -5,7 +5,8 @@
 //! the connection's credential is set in the family's style. Responses going back to the
 //! client lose hop-by-hop headers and gain the `x-sluice-*` headers.
 
-use crate::config::{BaseUrl, Connection, Family, Provider};
+use crate::config::{BaseUrl, Connection, Family, Provider, ProviderClass};
+use crate::policy::subscription;
 use pingora::http::{RequestHeader, ResponseHeader};
 
 /// Request headers never forwarded upstream (lower-case).
@@ -46,13 +47,15 @@ const STRIP_RESPONSE: &[&str] = &[
 pub const ANTHROPIC_VERSION: &str = "2023-06-01";
 
 /// Builds the upstream request header for one attempt: the route's canonical `path`
-/// under the provider's prefix, plus the client's query string (SPEC §3).
+/// under the provider's prefix, plus the client's query string (SPEC §3). `slow`: the
+/// connection's subscription lane is on (SPEC §5.13).
 pub fn request_header(
     client: &RequestHeader,
     path: &str,
     provider: &Provider,
     connection: &Connection,
     body_len: usize,
+    slow: bool,
 ) -> pingora::Result<RequestHeader> {
     let path = match client.uri.query() {
         Some(q) => format!("{}{path}?{q}", provider.base_url.path_prefix),
@@ -72,14 +75,27 @@ pub fn request_header(
     req.insert_header("host", host_header(&provider.base_url))?;
     req.insert_header("content-length", body_len)?;
     if let Some(key) = &connection.key {
-        match provider.api {
-            Family::OpenAi => {
+        match (provider.api, provider.class) {
+            (Family::OpenAi, _) => {
                 req.insert_header("authorization", format!("Bearer {}", key.expose()))?;
             }
-            Family::Anthropic => {
+            (Family::Anthropic, ProviderClass::OAuth) => {
+                req.insert_header("authorization", format!("Bearer {}", key.expose()))?;
+                let beta = subscription::merged_beta(
+                    client
+                        .headers
+                        .get("anthropic-beta")
+                        .and_then(|v| v.to_str().ok()),
+                );
+                req.insert_header("anthropic-beta", beta)?;
+            }
+            (Family::Anthropic, _) => {
                 req.insert_header("x-api-key", key.expose())?;
             }
         }
+    }
+    if slow {
+        req.insert_header(subscription::SLOW_HEADER, subscription::SLOW_VALUE)?;
     }
     if provider.api == Family::Anthropic && req.headers.get("anthropic-version").is_none() {
         req.insert_header("anthropic-version", ANTHROPIC_VERSION)?;
@@ -161,6 +177,7 @@ mod tests {
             bucket: None,
             retry_delay: None,
             disable_cooling: false,
+            subscription: None,
         }
     }
 
@@ -184,6 +201,7 @@ mod tests {
             &provider(Family::OpenAi),
             &conn(),
             12,
+            false,
         )
         .unwrap();
         assert_eq!(r.uri.to_string(), "/api/v1/chat/completions?x=1");
@@ -200,10 +218,42 @@ mod tests {
         ] {
             assert!(r.headers.get(gone).is_none(), "{gone} leaked");
         }
-        let a =
-            request_header(&c, "/v1/messages", &provider(Family::Anthropic), &conn(), 0).unwrap();
+        let a = request_header(
+            &c,
+            "/v1/messages",
+            &provider(Family::Anthropic),
+            &conn(),
+            0,
+            false,
+        )
+        .unwrap();
         assert_eq!(a.headers["x-api-key"], "upstream-key");
         assert_eq!(a.headers["anthropic-version"], ANTHROPIC_VERSION);
         assert!(a.headers.get("authorization").is_none());
+        assert!(a.headers.get("anthropic-beta").is_none());
+        assert!(a.headers.get("anthropic-usage-limit").is_none());
+    }
+
+    #[test]
+    fn oauth_connections_send_a_bearer_token_the_oauth_beta_and_the_slow_header_on_the_lane() {
+        let mut oauth = provider(Family::Anthropic);
+        oauth.class = ProviderClass::OAuth;
+        let mut c = RequestHeader::build("POST", b"/v1/messages", None).unwrap();
+        c.insert_header("x-api-key", "client").unwrap();
+        let r = request_header(&c, "/v1/messages", &oauth, &conn(), 0, false).unwrap();
+        assert_eq!(r.headers["authorization"], "Bearer upstream-key");
+        assert!(r.headers.get("x-api-key").is_none());
+        assert_eq!(r.headers["anthropic-beta"], "oauth-2025-04-20");
+        assert!(r.headers.get("anthropic-usage-limit").is_none());
+        // The client's own betas are kept, the OAuth one added once.
+        c.insert_header("anthropic-beta", "interleaved-thinking-2025-05-14")
+            .unwrap();
+        let r = request_header(&c, "/v1/messages", &oauth, &conn(), 0, true).unwrap();
+        assert_eq!(
+            r.headers["anthropic-beta"],
+            "interleaved-thinking-2025-05-14,oauth-2025-04-20"
+        );
+        assert_eq!(r.headers.get_all("anthropic-beta").iter().count(), 1);
+        assert_eq!(r.headers["anthropic-usage-limit"], "slow");
     }
 }

@@ -523,7 +523,7 @@ impl Validator<'_> {
             );
             let http2 = self.http2(&path, raw.http2.as_deref());
             let tls = self.upstream_tls(&path, raw.tls, &base_url);
-            let connections = self.connections(&path, raw.connections, class);
+            let connections = self.connections(&path, raw.connections, class, api);
             if connections.is_empty() {
                 self.err(
                     &join(&path, "connections"),
@@ -569,6 +569,7 @@ impl Validator<'_> {
         ppath: &str,
         items: Vec<Value>,
         class: ProviderClass,
+        api: Family,
     ) -> Vec<Connection> {
         let mut out = Vec::new();
         let mut seen = HashSet::new();
@@ -617,9 +618,68 @@ impl Validator<'_> {
                 bucket: raw.bucket,
                 retry_delay,
                 disable_cooling: raw.disable_cooling,
+                subscription: raw.subscription.and_then(|sub| {
+                    self.subscription(&join(&path, "subscription"), sub, class, api)
+                }),
             });
         }
         out
+    }
+
+    /// `subscription:` of one connection (SPEC §5.13).
+    fn subscription(
+        &mut self,
+        path: &str,
+        value: Value,
+        class: ProviderClass,
+        api: Family,
+    ) -> Option<Subscription> {
+        let raw = self.item::<RawSubscription>(value, path)?;
+        if class != ProviderClass::OAuth || api != Family::Anthropic {
+            self.err(
+                path,
+                "the subscription lane is for Claude subscription accounts: it needs a provider with class: oauth and api: anthropic",
+            );
+            return None;
+        }
+        let org = raw.organization_uuid.filter(|o| {
+            let ok = !o.is_empty()
+                && o.len() <= 64
+                && o.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
+            if !ok {
+                self.err(
+                    &join(path, "organization_uuid"),
+                    format!("{o:?} is not an organization id (letters, digits and '-')"),
+                );
+            }
+            ok
+        });
+        if raw.limit_reset && org.is_none() {
+            self.err(
+                &join(path, "organization_uuid"),
+                "required when limit_reset is on (the claim goes to /api/organizations/<uuid>/reset_rate_limits)",
+            );
+        }
+        let oauth_base = raw.oauth_base.and_then(|u| match parse_base_url(&u) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                self.err(&join(path, "oauth_base"), e);
+                None
+            }
+        });
+        if !raw.low_priority && !raw.limit_reset {
+            self.warn(
+                path,
+                "low_priority and limit_reset are both off: a usage wall cools the connection as usual",
+            );
+            return None;
+        }
+        Some(Subscription {
+            low_priority: raw.low_priority,
+            limit_reset: raw.limit_reset,
+            organization_uuid: org,
+            oauth_base,
+        })
     }
 
     fn clients(&mut self, root: &Mapping, providers: &[Provider]) -> Option<Vec<Client>> {

@@ -1,0 +1,351 @@
+//! The Claude subscription lane in the attempt loop (SPEC §5.13): what happens between
+//! an attempt's answer on a `subscription:` connection and its settling.
+//!
+//! A usage wall (or a lane answer asking to wait) is not settled: the same pick goes
+//! again — at full speed after a claimed limit reset, with the slow header on the lane,
+//! after the wait the upstream asked for. Everything else, and every answer the policy
+//! hands back to the normal path, is settled as usual by the driver. The decisions are
+//! `policy::subscription`'s; this module runs them: the usage check and the claim (two
+//! HTTP calls to `oauth_base` with the connection's token), the waits, the events.
+//!
+//! Invariants: a request resends at most [`MAX_ROUNDS`] times; every wait races the
+//! client and stays within the request's budget minus 5 s; a committed answer is only
+//! read (it reached the client), never resent; the OAuth calls are bounded by
+//! [`OAUTH_CALL_LIMIT`] and the request's deadline, and their token never leaves the
+//! request header.
+
+use super::attempt::{AttemptEnd, Call};
+use super::watch::{ClientWatch, Wait};
+use crate::clock::monotonic;
+use crate::config::{BaseUrl, Connection, Provider, Subscription};
+use crate::policy::subscription::{
+    claim_body, merged_beta, parse_claim, parse_usage, OnLane, OnWall, Signal, SlowStatus, Waits,
+};
+use bytes::{Bytes, BytesMut};
+use pingora::http::RequestHeader;
+use pingora::prelude::HttpPeer;
+use pingora::proxy::Session;
+use std::time::Duration;
+
+/// Resends of one request on its pick (walls, claims, lane waits) before its answer goes
+/// the normal way whatever it is.
+pub(super) const MAX_ROUNDS: u32 = 32;
+/// One usage check or claim.
+const OAUTH_CALL_LIMIT: Duration = Duration::from_secs(10);
+/// The usage check's and the claim's answers are read up to this size.
+const OAUTH_BODY_LIMIT: usize = 64 * 1024;
+
+/// One request's rounds on its subscription pick.
+#[derive(Default)]
+pub(super) struct Rounds {
+    waits: Waits,
+    reset_tried: bool,
+    n: u32,
+}
+
+/// What the driver does with an attempt's end.
+pub(super) enum Then {
+    /// Settle it the normal way.
+    Settle,
+    /// Send the request again on the same pick, after this wait.
+    Again(Duration),
+}
+
+/// The lane's reading of an attempt's end. `slow`: the attempt carried the slow header.
+pub(super) async fn after(
+    session: &mut Session,
+    watch: &mut ClientWatch,
+    call: &Call<'_, '_>,
+    end: &AttemptEnd,
+    rounds: &mut Rounds,
+) -> Then {
+    let p = &call.req.snap.config.providers[call.pick.provider];
+    let conn = &p.connections[call.pick.connection];
+    let Some(sub) = &conn.subscription else {
+        return Then::Settle;
+    };
+    let (sig, committed) = match end {
+        AttemptEnd::Refused(e) => (
+            Signal::read(e.header.status.as_u16(), &e.header.headers),
+            false,
+        ),
+        AttemptEnd::Committed(c) => (
+            Signal::read(c.header.status.as_u16(), &c.header.headers),
+            true,
+        ),
+        _ => return Then::Settle,
+    };
+    if rounds.n >= MAX_ROUNDS {
+        return Then::Settle;
+    }
+    let engine = call.req.engine;
+    let snap = call.req.snap;
+    if call.slow {
+        // A committed answer reached the client: only what it says of the lane counts.
+        if committed && sig.slow_status == Some(SlowStatus::SlotBusy) {
+            return Then::Settle;
+        }
+        let left = call.deadline.saturating_duration_since(monotonic());
+        let jitter = rand::random::<f64>() * 2.0 - 1.0;
+        let now = engine.now();
+        let step = engine.with_subscription(snap, call.pick, |s| {
+            s.on_lane_answer(&sig, &rounds.waits, left, jitter, now)
+        });
+        return match step {
+            OnLane::Keep => Then::Settle,
+            OnLane::Wait(d) => {
+                engine.subscription_event("lane_wait");
+                rounds.waits.total += d;
+                rounds.n += 1;
+                tracing::info!(provider = %p.id, connection = %conn.id, wait_ms = d.as_millis() as u64,
+                    "subscription lane busy: waiting to resend");
+                Then::Again(d)
+            }
+            OnLane::Ended(why) => {
+                engine.subscription_event(why.event());
+                tracing::warn!(provider = %p.id, connection = %conn.id, why = ?why,
+                    "subscription lane ended: the answer goes the normal way");
+                Then::Settle
+            }
+        };
+    }
+    if committed || !sig.wall {
+        return Then::Settle;
+    }
+    engine.subscription_event("wall");
+    rounds.n += 1;
+    loop {
+        let now = engine.now();
+        let plan = engine.with_subscription(snap, call.pick, |s| {
+            if s.lane_active(now) {
+                // Another request entered the lane meanwhile: go on it.
+                return None;
+            }
+            Some(s.on_wall(sub.settings(), &sig, rounds.reset_tried, now))
+        });
+        match plan {
+            None => return Then::Again(Duration::ZERO),
+            Some(OnWall::Normal) => return Then::Settle,
+            Some(OnWall::EnterLane) => {
+                engine.with_subscription(snap, call.pick, |s| s.enter_lane(&sig, now));
+                engine.subscription_event("lane_entered");
+                tracing::warn!(provider = %p.id, connection = %conn.id,
+                    "subscription usage wall: the connection goes on the low-priority lane");
+                return Then::Again(Duration::ZERO);
+            }
+            Some(OnWall::TryReset) => {
+                rounds.reset_tried = true;
+                if limit_reset(session, watch, call, p, conn, sub).await {
+                    return Then::Again(Duration::ZERO);
+                }
+            }
+        }
+    }
+}
+
+/// The usage check and, when it offers one, the claim. True: the account is at full
+/// speed again.
+async fn limit_reset(
+    session: &mut Session,
+    watch: &mut ClientWatch,
+    call: &Call<'_, '_>,
+    p: &Provider,
+    conn: &Connection,
+    sub: &Subscription,
+) -> bool {
+    let engine = call.req.engine;
+    let snap = call.req.snap;
+    let base = sub.oauth_base.as_ref().unwrap_or(&p.base_url);
+    let usage_path = format!(
+        "{}/api/oauth/usage?at_wall=1&skip_spend=1",
+        base.path_prefix
+    );
+    let usage = match oauth_call(
+        session,
+        watch,
+        call,
+        p,
+        conn,
+        base,
+        "GET",
+        &usage_path,
+        None,
+    )
+    .await
+    {
+        Ok((200..=299, body)) => parse_usage(&body),
+        Ok(_) | Err(CallError::Failed(_)) => None,
+        Err(CallError::ClientGone) => return false,
+    };
+    let Some(usage) = usage else {
+        return reset_failed(call, p, conn, "usage check");
+    };
+    let now = engine.now();
+    if !engine.with_subscription(snap, call.pick, |s| s.on_usage(usage, now)) {
+        engine.subscription_event("limit_reset_unavailable");
+        tracing::info!(provider = %p.id, connection = %conn.id, "subscription limit reset not available");
+        return false;
+    }
+    let Some(org) = &sub.organization_uuid else {
+        return reset_failed(call, p, conn, "claim (no organization_uuid)");
+    };
+    let claim_path = format!(
+        "{}/api/organizations/{org}/reset_rate_limits",
+        base.path_prefix
+    );
+    let body = Bytes::from(claim_body());
+    let claim = match oauth_call(
+        session,
+        watch,
+        call,
+        p,
+        conn,
+        base,
+        "POST",
+        &claim_path,
+        Some(body),
+    )
+    .await
+    {
+        Ok((200..=299, body)) => parse_claim(&body),
+        Ok(_) | Err(CallError::Failed(_)) => None,
+        Err(CallError::ClientGone) => return false,
+    };
+    let Some(claim) = claim else {
+        return reset_failed(call, p, conn, "claim");
+    };
+    let now = engine.now();
+    let full = engine.with_subscription(snap, call.pick, |s| s.on_claim(claim, now));
+    if full {
+        engine.subscription_event("limit_reset_claimed");
+        tracing::warn!(provider = %p.id, connection = %conn.id, "subscription limit reset claimed: full speed again");
+    } else {
+        engine.subscription_event("limit_reset_unavailable");
+        tracing::info!(provider = %p.id, connection = %conn.id, "subscription limit reset already used or not offered");
+    }
+    full
+}
+
+fn reset_failed(call: &Call<'_, '_>, p: &Provider, conn: &Connection, what: &str) -> bool {
+    let engine = call.req.engine;
+    let now = engine.now();
+    engine.with_subscription(call.req.snap, call.pick, |s| s.on_reset_failure(now));
+    engine.subscription_event("limit_reset_failed");
+    tracing::warn!(provider = %p.id, connection = %conn.id, step = what,
+        "subscription limit reset failed: not tried again for 15 minutes");
+    false
+}
+
+/// One HTTP/1.1 call to the OAuth base with the connection's token: (status, body).
+#[allow(clippy::too_many_arguments)]
+async fn oauth_call(
+    session: &mut Session,
+    watch: &mut ClientWatch,
+    call: &Call<'_, '_>,
+    p: &Provider,
+    conn: &Connection,
+    base: &BaseUrl,
+    method: &str,
+    path: &str,
+    body: Option<Bytes>,
+) -> Result<(u16, Bytes), CallError> {
+    let engine = call.req.engine;
+    let limit = OAUTH_CALL_LIMIT.min(call.deadline.saturating_duration_since(monotonic()));
+    let exchange = async {
+        let addr = engine
+            .resolver
+            .resolve(&base.host, base.port, monotonic())
+            .await
+            .map_err(|_| "dns lookup failed".to_string())?;
+        let peer = oauth_peer(addr, base, p);
+        let mut req =
+            RequestHeader::build(method, path.as_bytes(), Some(6)).map_err(|e| e.to_string())?;
+        let set = |req: &mut RequestHeader, k: &'static str, v: String| {
+            req.insert_header(k, v).map_err(|e| e.to_string())
+        };
+        set(&mut req, "host", base.authority())?;
+        if let Some(key) = &conn.key {
+            set(
+                &mut req,
+                "authorization",
+                format!("Bearer {}", key.expose()),
+            )?;
+        }
+        set(&mut req, "anthropic-beta", merged_beta(None))?;
+        set(&mut req, "accept", "application/json".into())?;
+        set(
+            &mut req,
+            "content-length",
+            body.as_ref().map_or(0, Bytes::len).to_string(),
+        )?;
+        if body.is_some() {
+            set(&mut req, "content-type", "application/json".into())?;
+        }
+        let (mut up, _) = engine
+            .upstreams
+            .session(&peer)
+            .await
+            .map_err(|e| e.to_string())?;
+        up.write_request_header(Box::new(req))
+            .await
+            .map_err(|e| e.to_string())?;
+        if let Some(b) = body {
+            up.write_request_body(b, true)
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        up.finish_request_body().await.map_err(|e| e.to_string())?;
+        up.read_response_header().await.map_err(|e| e.to_string())?;
+        let status = up.response_header().map_or(0, |h| h.status.as_u16());
+        let mut buf = BytesMut::new();
+        let mut complete = false;
+        while buf.len() < OAUTH_BODY_LIMIT {
+            match up.read_response_body().await {
+                Ok(Some(c)) => buf.extend_from_slice(&c),
+                Ok(None) => {
+                    complete = true;
+                    break;
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        if complete {
+            engine
+                .upstreams
+                .release(up, &peer, super::attempt::POOL_IDLE)
+                .await;
+        }
+        Ok((status, buf.freeze()))
+    };
+    match watch.race(session, limit, exchange).await {
+        Wait::Ready(r) => r.map_err(CallError::Failed),
+        Wait::TimedOut => Err(CallError::Failed("timed out".into())),
+        Wait::ClientGone => Err(CallError::ClientGone),
+    }
+}
+
+/// Why an OAuth call gave no answer.
+enum CallError {
+    /// The upstream's failure (transport, timeout): the reset is not tried for 15 min.
+    Failed(#[allow(dead_code)] String),
+    /// The client left: nothing is learnt about the upstream.
+    ClientGone,
+}
+
+/// The peer of the OAuth base: the provider's own when it is the same place, else the
+/// base with the provider's TLS trust, on HTTP/1.1.
+fn oauth_peer(addr: std::net::SocketAddr, base: &BaseUrl, p: &Provider) -> HttpPeer {
+    let mut peer = HttpPeer::new(addr, base.tls, base.host.clone());
+    peer.options.connection_timeout = Some(p.connect_timeout);
+    peer.options.total_connection_timeout = Some(p.connect_timeout * 2);
+    peer.options.idle_timeout = Some(super::attempt::POOL_IDLE);
+    peer.group_key = p.pool_key;
+    peer.options.set_http_version(1, 1);
+    if base.tls {
+        peer.options.ca = p.tls.ca.clone();
+        peer.options.verify_cert = p.tls.verify;
+        peer.options.verify_hostname = p.tls.verify;
+        peer.client_cert_key = p.tls.client.clone();
+    }
+    peer
+}
