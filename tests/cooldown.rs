@@ -34,15 +34,7 @@ models:
 const KEYS: &[(&str, &str)] = &[("KEY1", "key-1"), ("KEY2", "key-2")];
 
 fn conn_row(gw: &Gateway, id: &str) -> serde_json::Value {
-    let r = gw.admin_get("/api/resilience/cooldowns?provider=p");
-    assert_eq!(r.status, 200);
-    r.json()["connections"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["connection"] == id)
-        .cloned()
-        .unwrap()
+    gw.cooldown_row("p", id)
 }
 
 fn calls(mock: &Mock, key: &str) -> u64 {

@@ -75,15 +75,7 @@ fn calls(mock: &Mock, token: &str) -> u64 {
 }
 
 fn row(gw: &Gateway, id: &str) -> Value {
-    let r = gw.admin_get("/api/resilience/cooldowns?provider=claude");
-    assert_eq!(r.status, 200, "{}", r.text());
-    r.json()["connections"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["connection"] == id)
-        .cloned()
-        .unwrap()
+    gw.cooldown_row("claude", id)
 }
 
 fn event(gw: &Gateway, name: &str) -> f64 {

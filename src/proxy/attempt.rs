@@ -364,16 +364,9 @@ async fn hold_error(
         .left()
         .min(call.req.snap.config.resilience.stream.ttft_timeout);
     let read = async {
-        while buf.len() < ERROR_BODY_LIMIT {
-            match up.read_response_body().await {
-                Ok(Some(c)) => buf.extend_from_slice(&c),
-                Ok(None) => {
-                    complete = true;
-                    break;
-                }
-                Err(_) => break,
-            }
-        }
+        complete = read_bounded(&mut up, &mut buf, ERROR_BODY_LIMIT)
+            .await
+            .unwrap_or(false);
     };
     if let Wait::ClientGone = watch.race(session, limit, read).await {
         return AttemptEnd::ClientGone;
@@ -391,6 +384,22 @@ async fn hold_error(
         body,
         pick: call.pick,
     }))
+}
+
+/// Reads a response body into `buf` until it ends or holds `limit` bytes; `Ok(true)`
+/// when it ended whole (the connection may then go back to the pool).
+pub(super) async fn read_bounded(
+    up: &mut HttpSession,
+    buf: &mut BytesMut,
+    limit: usize,
+) -> pingora::Result<bool> {
+    while buf.len() < limit {
+        match up.read_response_body().await? {
+            Some(c) => buf.extend_from_slice(&c),
+            None => return Ok(true),
+        }
+    }
+    Ok(false)
 }
 
 /// A held error as it may be passed on or kept: every credential value masked in its

@@ -298,17 +298,9 @@ async fn oauth_call(
         up.read_response_header().await.map_err(|e| e.to_string())?;
         let status = up.response_header().map_or(0, |h| h.status.as_u16());
         let mut buf = BytesMut::new();
-        let mut complete = false;
-        while buf.len() < OAUTH_BODY_LIMIT {
-            match up.read_response_body().await {
-                Ok(Some(c)) => buf.extend_from_slice(&c),
-                Ok(None) => {
-                    complete = true;
-                    break;
-                }
-                Err(e) => return Err(e.to_string()),
-            }
-        }
+        let complete = super::attempt::read_bounded(&mut up, &mut buf, OAUTH_BODY_LIMIT)
+            .await
+            .map_err(|e| e.to_string())?;
         if complete {
             engine
                 .upstreams

@@ -200,6 +200,19 @@ impl Gateway {
         })
     }
 
+    /// `connection`'s row of `GET /api/resilience/cooldowns?provider=…`.
+    pub fn cooldown_row(&self, provider: &str, connection: &str) -> serde_json::Value {
+        let r = self.admin_get(&format!("/api/resilience/cooldowns?provider={provider}"));
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["connections"]
+            .as_array()
+            .expect("connections")
+            .iter()
+            .find(|c| c["connection"] == connection)
+            .cloned()
+            .unwrap_or_else(|| panic!("no row for {provider}/{connection}"))
+    }
+
     /// POSTs `body` to `/v1/chat/completions`.
     pub fn chat(&self, body: &str) -> Response {
         request(
