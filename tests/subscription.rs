@@ -125,7 +125,6 @@ fn a_wall_takes_the_lane_on_the_same_connection_and_later_requests_start_slow() 
     assert!((7200..=7261).contains(&left), "the reset + 60 s: {left}");
     let health = gw.admin_get("/api/monitoring/health").json();
     assert_eq!(health["providers"][0]["state"], "CLOSED", "{health}");
-    assert_eq!(health["providers"][0]["failures"], 0, "{health}");
     assert_eq!(lane_gauge(&gw), Some(1.0));
     assert_eq!(event(&gw, "wall"), 1.0);
     assert_eq!(event(&gw, "lane_entered"), 1.0);
@@ -155,6 +154,36 @@ fn a_wall_takes_the_lane_on_the_same_connection_and_later_requests_start_slow() 
         "{a}"
     );
     assert_eq!(row(&gw, "sub")["subscription"]["lane"], "active");
+}
+
+#[test]
+fn a_lane_kept_after_low_priority_is_switched_off_is_not_used() {
+    let mock = Mock::start(&[]);
+    arm(
+        &mock,
+        r#"{"slow": ["active"], "usage": "reset", "claim": "reset"}"#,
+    );
+    let gw = Gateway::start(&config(&mock.base_url(), LANE, ""), TOKENS);
+    assert_eq!(messages(&gw).status, 200);
+    assert_eq!(row(&gw, "sub")["subscription"]["lane"], "active");
+    // The operator turns the lane off and the limit reset on; the lane's memory stays.
+    gw.rewrite_config(&config(&mock.base_url(), RESET_ONLY, ""));
+    let r = gw.admin_post("/api/config/reload", "");
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(row(&gw, "sub")["subscription"]["lane"], "off");
+    assert_eq!(lane_gauge(&gw), Some(0.0));
+    // The next wall goes to the limit reset, once, not around a lane it cannot use.
+    let r = messages(&gw);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-sluice-connection"), Some("sub"));
+    let a = account(&mock);
+    assert_eq!(a["walls"], 2, "{a}");
+    assert_eq!(
+        (a["usage_calls"].as_u64(), a["claim_calls"].as_u64()),
+        (Some(1), Some(1)),
+        "{a}"
+    );
+    assert_eq!(a["slow_requests"], 1, "{a}");
 }
 
 #[test]

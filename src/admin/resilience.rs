@@ -166,7 +166,8 @@ fn subscription_json(
 ) -> Value {
     let left = |until: crate::policy::Millis| until.saturating_sub(now).div_ceil(1000);
     let at = |t: crate::policy::Millis| (t > 0).then(|| crate::policy::timefmt::format_rfc3339(t));
-    let lane = s.lane.filter(|_| s.lane_active(now));
+    // A lane kept in the state while low_priority is off is not used: shown as off.
+    let lane = s.lane.filter(|_| cfg.low_priority && s.lane_active(now));
     json!({
         "low_priority": cfg.low_priority,
         "limit_reset": cfg.limit_reset,

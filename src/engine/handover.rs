@@ -122,9 +122,15 @@ impl Engine {
                     if let Some(rows) = image.get_mut(&table) {
                         rows.insert(c.key.clone(), v.clone());
                     }
+                    let ours = (table == Table::Connections)
+                        .then(|| self.subscription_of(&c.key))
+                        .flatten();
                     n += self.tables.restore(&image, now);
                     if table == Table::Connections {
                         self.learnt_cooldown(&c.key, now);
+                        if let Some(ours) = ours {
+                            self.keep_subscription(&c.key, &ours);
+                        }
                     }
                 }
                 (Some(v), Table::Pins) => {
@@ -180,6 +186,26 @@ impl Engine {
 }
 
 impl Engine {
+    /// A connection's subscription memory, when it has any.
+    fn subscription_of(&self, key: &str) -> Option<crate::policy::subscription::SubState> {
+        let (p, conn) = key.split_once('/')?;
+        let e = self.tables.connection_if_any(p, conn)?;
+        let sub = lock(&e).subscription;
+        (!sub.is_empty()).then_some(sub)
+    }
+
+    /// A remote row replaced the whole entry; its subscription memory is merged with
+    /// what this node held (each memory the later one, the lane of the later decision),
+    /// so a row written by a node that had not learnt them does not erase them.
+    fn keep_subscription(&self, key: &str, ours: &crate::policy::subscription::SubState) {
+        let Some((p, conn)) = key.split_once('/') else {
+            return;
+        };
+        if let Some(e) = self.tables.connection_if_any(p, conn) {
+            lock(&e).subscription.merge_later(ours);
+        }
+    }
+
     /// Anti-herd across nodes (SPEC §7.1): a cooldown learnt from another node counts
     /// as set here when it was learnt, so this node's attempts dispatched before it knew
     /// (in flight during the sync interval) are stale failures that neither extend it nor

@@ -688,11 +688,12 @@ impl Engine {
                 m.connection_cooling
                     .with_label_values(&[p.id.as_str(), c.id.as_str()])
                     .set(cooling);
-                if c.subscription.is_some() {
-                    let lane = self
-                        .tables
-                        .connection_if_any(&p.id, &c.id)
-                        .is_some_and(|e| lock(&e).subscription.lane_active(now));
+                if let Some(sub) = &c.subscription {
+                    let lane = sub.low_priority
+                        && self
+                            .tables
+                            .connection_if_any(&p.id, &c.id)
+                            .is_some_and(|e| lock(&e).subscription.lane_active(now));
                     m.subscription_lane_active
                         .with_label_values(&[p.id.as_str(), c.id.as_str()])
                         .set(i64::from(lane));

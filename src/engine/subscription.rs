@@ -39,10 +39,12 @@ impl Engine {
             let p = &snap.config.providers[pick.provider];
             let key = conn_key(&p.id, &p.connections[pick.connection].id);
             let row = change(Table::Connections, &key, Some(&*e));
-            drop(e);
+            // Under the lock: a row of a concurrent `record` must not be queued after
+            // this one with an older view (`submit` never blocks).
             if let Some(store) = &self.store {
                 store.submit(vec![row]);
             }
+            drop(e);
         }
         r
     }

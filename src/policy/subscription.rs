@@ -121,10 +121,10 @@ fn header<'h>(h: &'h HeaderMap, name: &str) -> Option<&'h str> {
     h.get(name).and_then(|v| v.to_str().ok()).map(str::trim)
 }
 
-/// Seconds (possibly fractional), positive and finite.
+/// Seconds (possibly fractional), not negative and finite (0 is clamped by the caller).
 fn seconds(s: &str) -> Option<Duration> {
     let v: f64 = s.parse().ok()?;
-    (v.is_finite() && v > 0.0 && v < 1e9).then(|| Duration::from_secs_f64(v))
+    (v.is_finite() && (0.0..1e9).contains(&v)).then(|| Duration::from_secs_f64(v))
 }
 
 /// A reset instant: unix seconds, or an RFC 3339 timestamp.
@@ -185,6 +185,10 @@ pub struct SubState {
     /// When a limit reset was last claimed (shown to operators).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub reset_claimed_at: Millis,
+    /// When the lane last ended: an older lane another process still holds must not
+    /// come back through a merge.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub lane_ended_at: Millis,
 }
 
 fn is_zero(v: &Millis) -> bool {
@@ -281,8 +285,9 @@ impl SubState {
     /// anything changed.
     pub fn merge_later(&mut self, theirs: &SubState) -> bool {
         let before = *self;
-        let since = |l: Option<Lane>| l.map_or(0, |l| l.since);
-        if since(theirs.lane) > since(self.lane) {
+        // The lane of the later decision: entered, or ended.
+        let last = |s: &SubState| s.lane.map_or(0, |l| l.since).max(s.lane_ended_at);
+        if last(theirs) > last(self) {
             self.lane = theirs.lane;
         }
         for (ours, t) in [
@@ -294,19 +299,11 @@ impl SubState {
             (&mut self.reset_available_at, theirs.reset_available_at),
             (&mut self.reset_retry_at, theirs.reset_retry_at),
             (&mut self.reset_claimed_at, theirs.reset_claimed_at),
+            (&mut self.lane_ended_at, theirs.lane_ended_at),
         ] {
             *ours = (*ours).max(t);
         }
         *self != before
-    }
-
-    /// Whether the state holds nothing that still matters at `now` (it may be dropped).
-    pub fn is_spent(&self, now: Millis) -> bool {
-        !self.lane_active(now)
-            && self.cool_off_until <= now
-            && self.budget_exhausted_until <= now
-            && self.reset_available_at <= now
-            && self.reset_retry_at <= now
     }
 
     /// The decision on a wall. `reset_tried`: this request already tried a reset (a
@@ -363,6 +360,7 @@ impl SubState {
                 self.reset_claimed_at = now;
                 // A claimed reset is a new window: the lane (if any) has no reason left.
                 self.lane = None;
+                self.lane_ended_at = now;
                 true
             }
             Claim::Unavailable { next } => {
@@ -388,7 +386,7 @@ impl SubState {
         now: Millis,
     ) -> OnLane {
         if sig.overage {
-            return self.end(LaneEnd::Overage);
+            return self.end(LaneEnd::Overage, now);
         }
         // A new window announces a reset hours later; a few seconds' difference is
         // the same window (rounding, another edge's clock).
@@ -400,12 +398,13 @@ impl SubState {
         };
         match sig.slow_status {
             Some(SlowStatus::SlotBusy) => {}
-            None if sig.status == 529 => {}
+            // A 529 (overloaded) waits like a busy slot unless its status ends the lane.
+            None | Some(SlowStatus::Active | SlowStatus::NotNeeded) if sig.status == 529 => {}
             Some(SlowStatus::Active | SlowStatus::NotNeeded) | None if rolled => {
-                return self.end(LaneEnd::Rollover);
+                return self.end(LaneEnd::Rollover, now);
             }
             Some(SlowStatus::Active | SlowStatus::NotNeeded) => return OnLane::Keep,
-            None if sig.wall => return self.end(LaneEnd::Refused),
+            None if sig.wall => return self.end(LaneEnd::Refused, now),
             None => return OnLane::Keep,
             Some(SlowStatus::BudgetExhausted) => {
                 let cap = now.saturating_add(ms(BUDGET_MEMORY_MAX));
@@ -414,9 +413,9 @@ impl SubState {
                     .filter(|r| *r > now)
                     .unwrap_or(now.saturating_add(ms(WINDOW)));
                 self.budget_exhausted_until = until.min(cap);
-                return self.end(LaneEnd::Status(SlowStatus::BudgetExhausted));
+                return self.end(LaneEnd::Status(SlowStatus::BudgetExhausted), now);
             }
-            Some(other) => return self.end(LaneEnd::Status(other)),
+            Some(other) => return self.end(LaneEnd::Status(other), now),
         }
         // slot_busy, or a 529: wait and resend, within the request's caps.
         let base = clamp(sig.slow_retry_after, RETRY_DEFAULT, RETRY_MIN, RETRY_MAX);
@@ -432,13 +431,14 @@ impl SubState {
         // 5 s of the request's budget for the answer itself.
         if waits.total + wait > max_wait || wait > budget_left.saturating_sub(BUDGET_MARGIN) {
             self.cool_off_until = now.saturating_add(ms(COOL_OFF));
-            return self.end(LaneEnd::MaxWait);
+            return self.end(LaneEnd::MaxWait, now);
         }
         OnLane::Wait(wait)
     }
 
-    fn end(&mut self, why: LaneEnd) -> OnLane {
+    fn end(&mut self, why: LaneEnd, now: Millis) -> OnLane {
         self.lane = None;
+        self.lane_ended_at = now;
         OnLane::Ended(why)
     }
 }

@@ -196,10 +196,10 @@ impl Driver<'_> {
         ctx.attempts = fsm.attempts() as u32;
         ctx.pick = Some(names(&self.req, pick));
         let engine = self.req.engine;
-        let started = engine.now();
         let inflight = Inflight::start(&self.req, pick);
-        let end = self.attempt_rounds(session, pick, ctx).await;
-        let info = info(&self.req, pick, started, slot.probe, fsm.is_last_attempt());
+        let mut probe = slot.probe;
+        let (end, started) = self.attempt_rounds(session, pick, &mut probe, ctx).await;
+        let info = info(&self.req, pick, started, probe, fsm.is_last_attempt());
         let settled = engine.settle(&info, outcome_of(&end)).await;
         if let Some(v) = &settled.verdict {
             let mut r = record(&self.req, pick, v);
@@ -225,31 +225,73 @@ impl Driver<'_> {
 
     /// One attempt, sent again on the same pick while the subscription lane asks for it
     /// (SPEC §5.13): a usage wall it takes, a claimed limit reset, a busy slow slot.
+    /// Returns the end to settle and when its round started (anti-herd). A HALF_OPEN
+    /// probe is given back before a lane wait (`probe` turns false): the wall showed
+    /// the provider answers, and a wait of minutes must not hold its only probe. After
+    /// a wait, a connection that stopped being runnable meanwhile (cooled or terminal
+    /// by another request) is not sent to again: the busy answer is settled instead.
     async fn attempt_rounds(
         &mut self,
         session: &mut Session,
         pick: Pick,
+        probe: &mut bool,
         ctx: &mut RequestCtx,
-    ) -> AttemptEnd {
+    ) -> (AttemptEnd, Millis) {
+        let engine = self.req.engine;
         let mut rounds = Rounds::default();
         loop {
+            let started = engine.now();
             let call = Call {
                 req: &self.req,
                 pick,
                 deadline: self.deadline,
-                slow: self.req.engine.lane_active(self.req.snap, pick),
+                slow: engine.lane_active(self.req.snap, pick),
             };
             let end = attempt(session, &mut self.watch, &call, ctx).await;
-            match subscription::after(session, &mut self.watch, &call, &end, &mut rounds).await {
-                Then::Settle => return end,
-                Then::Again(wait) => {
-                    drop(end);
-                    if !wait.is_zero() && !self.watch.sleep(session, wait).await {
-                        return AttemptEnd::ClientGone;
-                    }
-                }
+            let wait = match subscription::after(session, &mut self.watch, &call, &end, &mut rounds)
+                .await
+            {
+                Then::Settle => return (end, started),
+                Then::Gone => return (AttemptEnd::ClientGone, started),
+                Then::Again(wait) => wait,
+            };
+            if wait.is_zero() {
+                continue;
+            }
+            if std::mem::take(probe) {
+                let a = info(&self.req, pick, started, true, false);
+                engine.record(&a, Outcome::Abandoned);
+            }
+            if !self.watch.sleep(session, wait).await {
+                return (AttemptEnd::ClientGone, started);
+            }
+            if !self.runnable(pick) {
+                return (end, started);
             }
         }
+    }
+
+    /// Whether `pick` may still run for this request (not cooling, terminal or leased).
+    fn runnable(&self, pick: Pick) -> bool {
+        let r = &self.req;
+        // Not the request's tried set: it holds this very pick.
+        let none_tried = crate::policy::failover::Tried::default();
+        let asker = Asker {
+            client: r.client,
+            lease: r
+                .lease
+                .as_ref()
+                .map(|l| (l.owner_hash.as_str(), l.connection.as_str())),
+            tried: &none_tried,
+        };
+        let c = Candidate {
+            target: pick.target,
+            provider: pick.provider,
+            connection: pick.connection,
+            breaker: crate::policy::breaker::BreakerState::Closed,
+        };
+        r.engine
+            .still_runnable(r.snap, r.model, r.family, &asker, &c)
     }
 
     async fn queue(

@@ -49,6 +49,8 @@ pub(super) enum Then {
     Settle,
     /// Send the request again on the same pick, after this wait.
     Again(Duration),
+    /// The client left.
+    Gone,
 }
 
 /// The lane's reading of an attempt's end. `slow`: the attempt carried the slow header.
@@ -75,11 +77,11 @@ pub(super) async fn after(
         ),
         _ => return Then::Settle,
     };
-    if rounds.n >= MAX_ROUNDS {
-        return Then::Settle;
-    }
     let engine = call.req.engine;
     let snap = call.req.snap;
+    // The cap on resends: past it, the policy still reads the answer (an ending status
+    // is remembered), but nothing is sent again.
+    let capped = rounds.n >= MAX_ROUNDS;
     if call.slow {
         // A committed answer reached the client: only what it says of the lane counts.
         if committed && sig.slow_status == Some(SlowStatus::SlotBusy) {
@@ -93,6 +95,7 @@ pub(super) async fn after(
         });
         return match step {
             OnLane::Keep => Then::Settle,
+            OnLane::Wait(_) if committed || capped => Then::Settle,
             OnLane::Wait(d) => {
                 engine.subscription_event("lane_wait");
                 rounds.waits.total += d;
@@ -109,38 +112,68 @@ pub(super) async fn after(
             }
         };
     }
-    if committed || !sig.wall {
+    if committed || !sig.wall || capped {
         return Then::Settle;
     }
     engine.subscription_event("wall");
     rounds.n += 1;
+    let walled_at = engine.now();
     loop {
         let now = engine.now();
         let plan = engine.with_subscription(snap, call.pick, |s| {
-            if s.lane_active(now) {
-                // Another request entered the lane meanwhile: go on it.
-                return None;
+            if s.reset_claimed_at >= walled_at {
+                // A reset was claimed since this wall (here or by another request).
+                return Some(Plan::FullSpeed);
             }
-            Some(s.on_wall(sub.settings(), &sig, rounds.reset_tried, now))
+            if sub.low_priority && s.lane_active(now) {
+                // Another request entered the lane meanwhile: go on it.
+                return Some(Plan::Slow);
+            }
+            match s.on_wall(sub.settings(), &sig, rounds.reset_tried, now) {
+                OnWall::Normal => None,
+                OnWall::TryReset => Some(Plan::TryReset),
+                OnWall::EnterLane => {
+                    // Decided and entered under one lock: two walls enter it once.
+                    s.enter_lane(&sig, now);
+                    Some(Plan::Entered)
+                }
+            }
         });
         match plan {
-            None => return Then::Again(Duration::ZERO),
-            Some(OnWall::Normal) => return Then::Settle,
-            Some(OnWall::EnterLane) => {
-                engine.with_subscription(snap, call.pick, |s| s.enter_lane(&sig, now));
+            None => return Then::Settle,
+            Some(Plan::FullSpeed | Plan::Slow) => return Then::Again(Duration::ZERO),
+            Some(Plan::Entered) => {
                 engine.subscription_event("lane_entered");
                 tracing::warn!(provider = %p.id, connection = %conn.id,
                     "subscription usage wall: the connection goes on the low-priority lane");
                 return Then::Again(Duration::ZERO);
             }
-            Some(OnWall::TryReset) => {
+            Some(Plan::TryReset) => {
                 rounds.reset_tried = true;
-                if limit_reset(session, watch, call, p, conn, sub).await {
-                    return Then::Again(Duration::ZERO);
+                match limit_reset(session, watch, call, p, conn, sub).await {
+                    Reset::FullSpeed => return Then::Again(Duration::ZERO),
+                    Reset::Gone => return Then::Gone,
+                    Reset::No => {}
                 }
             }
         }
     }
+}
+
+/// What a wall leads to.
+enum Plan {
+    FullSpeed,
+    Slow,
+    Entered,
+    TryReset,
+}
+
+/// How a limit reset ended.
+enum Reset {
+    FullSpeed,
+    No,
+    /// The client left while it ran.
+    Gone,
 }
 
 /// The usage check and, when it offers one, the claim. True: the account is at full
@@ -152,7 +185,7 @@ async fn limit_reset(
     p: &Provider,
     conn: &Connection,
     sub: &Subscription,
-) -> bool {
+) -> Reset {
     let engine = call.req.engine;
     let snap = call.req.snap;
     let base = sub.oauth_base.as_ref().unwrap_or(&p.base_url);
@@ -175,7 +208,8 @@ async fn limit_reset(
     {
         Ok((200..=299, body)) => parse_usage(&body),
         Ok(_) | Err(CallError::Failed(_)) => None,
-        Err(CallError::ClientGone) => return false,
+        Err(CallError::ClientGone) => return Reset::Gone,
+        Err(CallError::OutOfTime) => return Reset::No,
     };
     let Some(usage) = usage else {
         return reset_failed(call, p, conn, "usage check");
@@ -184,7 +218,7 @@ async fn limit_reset(
     if !engine.with_subscription(snap, call.pick, |s| s.on_usage(usage, now)) {
         engine.subscription_event("limit_reset_unavailable");
         tracing::info!(provider = %p.id, connection = %conn.id, "subscription limit reset not available");
-        return false;
+        return Reset::No;
     }
     let Some(org) = &sub.organization_uuid else {
         return reset_failed(call, p, conn, "claim (no organization_uuid)");
@@ -209,7 +243,8 @@ async fn limit_reset(
     {
         Ok((200..=299, body)) => parse_claim(&body),
         Ok(_) | Err(CallError::Failed(_)) => None,
-        Err(CallError::ClientGone) => return false,
+        Err(CallError::ClientGone) => return Reset::Gone,
+        Err(CallError::OutOfTime) => return Reset::No,
     };
     let Some(claim) = claim else {
         return reset_failed(call, p, conn, "claim");
@@ -223,17 +258,21 @@ async fn limit_reset(
         engine.subscription_event("limit_reset_unavailable");
         tracing::info!(provider = %p.id, connection = %conn.id, "subscription limit reset already used or not offered");
     }
-    full
+    if full {
+        Reset::FullSpeed
+    } else {
+        Reset::No
+    }
 }
 
-fn reset_failed(call: &Call<'_, '_>, p: &Provider, conn: &Connection, what: &str) -> bool {
+fn reset_failed(call: &Call<'_, '_>, p: &Provider, conn: &Connection, what: &str) -> Reset {
     let engine = call.req.engine;
     let now = engine.now();
     engine.with_subscription(call.req.snap, call.pick, |s| s.on_reset_failure(now));
     engine.subscription_event("limit_reset_failed");
     tracing::warn!(provider = %p.id, connection = %conn.id, step = what,
         "subscription limit reset failed: not tried again for 15 minutes");
-    false
+    Reset::No
 }
 
 /// One HTTP/1.1 call to the OAuth base with the connection's token: (status, body).
@@ -250,7 +289,8 @@ async fn oauth_call(
     body: Option<Bytes>,
 ) -> Result<(u16, Bytes), CallError> {
     let engine = call.req.engine;
-    let limit = OAUTH_CALL_LIMIT.min(call.deadline.saturating_duration_since(monotonic()));
+    let left = call.deadline.saturating_duration_since(monotonic());
+    let limit = OAUTH_CALL_LIMIT.min(left);
     let exchange = async {
         let addr = engine
             .resolver
@@ -281,9 +321,11 @@ async fn oauth_call(
         if body.is_some() {
             set(&mut req, "content-type", "application/json".into())?;
         }
-        let (mut up, _) = engine
+        // A new connection: a pooled one the upstream closed would fail the call, and
+        // the call is rare (one per wall).
+        let mut up = engine
             .upstreams
-            .session(&peer)
+            .fresh(&peer)
             .await
             .map_err(|e| e.to_string())?;
         up.write_request_header(Box::new(req))
@@ -311,6 +353,8 @@ async fn oauth_call(
     };
     match watch.race(session, limit, exchange).await {
         Wait::Ready(r) => r.map_err(CallError::Failed),
+        // Out of the request's own budget: nothing learnt about the upstream.
+        Wait::TimedOut if left < OAUTH_CALL_LIMIT => Err(CallError::OutOfTime),
         Wait::TimedOut => Err(CallError::Failed("timed out".into())),
         Wait::ClientGone => Err(CallError::ClientGone),
     }
@@ -322,6 +366,8 @@ enum CallError {
     Failed(#[allow(dead_code)] String),
     /// The client left: nothing is learnt about the upstream.
     ClientGone,
+    /// The request's deadline came first: nothing is learnt either.
+    OutOfTime,
 }
 
 /// The peer of the OAuth base: the provider's own when it is the same place, else the

@@ -81,12 +81,15 @@ pub fn request_header(
             }
             (Family::Anthropic, ProviderClass::OAuth) => {
                 req.insert_header("authorization", format!("Bearer {}", key.expose()))?;
-                let beta = subscription::merged_beta(
-                    client
-                        .headers
-                        .get("anthropic-beta")
-                        .and_then(|v| v.to_str().ok()),
-                );
+                // Every `anthropic-beta` line of the client, joined (one line goes up).
+                let theirs: Vec<&str> = client
+                    .headers
+                    .get_all("anthropic-beta")
+                    .iter()
+                    .filter_map(|v| v.to_str().ok())
+                    .collect();
+                let theirs = theirs.join(",");
+                let beta = subscription::merged_beta(Some(&theirs));
                 req.insert_header("anthropic-beta", beta)?;
             }
             (Family::Anthropic, _) => {
@@ -255,5 +258,12 @@ mod tests {
         );
         assert_eq!(r.headers.get_all("anthropic-beta").iter().count(), 1);
         assert_eq!(r.headers["anthropic-usage-limit"], "slow");
+        c.append_header("anthropic-beta", "files-api-2025-04-14")
+            .unwrap();
+        let r = request_header(&c, "/v1/messages", &oauth, &conn(), 0, false).unwrap();
+        assert_eq!(
+            r.headers["anthropic-beta"],
+            "interleaved-thinking-2025-05-14,files-api-2025-04-14,oauth-2025-04-20"
+        );
     }
 }

@@ -661,7 +661,16 @@ impl Validator<'_> {
             );
         }
         let oauth_base = raw.oauth_base.and_then(|u| match parse_base_url(&u) {
-            Ok(b) => Some(b),
+            Ok(b) => {
+                let local = matches!(b.host.as_str(), "localhost" | "127.0.0.1" | "::1");
+                if !b.tls && !local {
+                    self.warn(
+                        &join(path, "oauth_base"),
+                        "http:// sends the account's token in clear; use https://",
+                    );
+                }
+                Some(b)
+            }
             Err(e) => {
                 self.err(&join(path, "oauth_base"), e);
                 None

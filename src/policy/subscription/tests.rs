@@ -203,7 +203,6 @@ fn the_lane_needs_the_offer_and_lasts_until_the_reset_plus_a_minute() {
     assert_eq!(s.lane.unwrap().until, end);
     assert!(s.lane_active(NOW) && s.lane_active(end - 1));
     assert!(!s.lane_active(end));
-    assert!(s.is_spent(end));
     // No reset announced (or one in the past): one window.
     let mut t = SubState::default();
     t.enter_lane(&wall(&[("anthropic-ratelimit-unified-reset", "1")]), NOW);
@@ -499,7 +498,7 @@ fn the_state_round_trips_and_an_empty_one_serialises_to_nothing() {
     s.on_reset_failure(NOW);
     let back: SubState = serde_json::from_str(&serde_json::to_string(&s).unwrap()).unwrap();
     assert_eq!(back, s);
-    assert!(!s.is_spent(NOW));
+    assert!(s.lane_active(NOW) && s.reset_retry_at > NOW);
 }
 
 #[test]
@@ -537,4 +536,58 @@ fn a_predecessors_later_memory_is_merged_in() {
         ..SubState::default()
     };
     assert!(!ours.merge_later(&older));
+}
+
+#[test]
+fn a_529_on_the_lane_waits_unless_its_status_ends_it() {
+    let mut s = in_lane(HOUR);
+    let w = Waits::default();
+    for status in ["active", "not_needed"] {
+        let a = answer(529, &[("anthropic-ratelimit-unified-slow-status", status)]);
+        assert_eq!(
+            s.on_lane_answer(&a, &w, HOUR, 0.0, NOW),
+            OnLane::Wait(secs(20))
+        );
+    }
+    let a = answer(
+        529,
+        &[("anthropic-ratelimit-unified-slow-status", "weekly_limit")],
+    );
+    assert_eq!(
+        s.on_lane_answer(&a, &w, HOUR, 0.0, NOW),
+        OnLane::Ended(LaneEnd::Status(SlowStatus::WeeklyLimit))
+    );
+    // A retry-after of 0 is clamped to 5 s, not read as absent.
+    let mut s = in_lane(HOUR);
+    let a = answer(
+        429,
+        &[
+            ("anthropic-ratelimit-unified-slow-status", "slot_busy"),
+            ("anthropic-ratelimit-unified-slow-retry-after", "0"),
+        ],
+    );
+    assert_eq!(
+        s.on_lane_answer(&a, &w, HOUR, 0.0, NOW),
+        OnLane::Wait(secs(5))
+    );
+}
+
+#[test]
+fn an_ended_lane_does_not_come_back_through_a_merge() {
+    let holder = in_lane(HOUR);
+    let mut ended = holder;
+    let a = answer(429, &[("anthropic-ratelimit-unified-slow-status", "off")]);
+    ended.on_lane_answer(&a, &Waits::default(), HOUR, 0.0, NOW + 1000);
+    assert!(!ended.lane_active(NOW + 1000));
+    // The other side still holds the older lane: the later decision (the end) wins.
+    assert!(!ended.merge_later(&holder));
+    assert!(!ended.lane_active(NOW + 1000));
+    let mut old = holder;
+    assert!(old.merge_later(&ended));
+    assert!(!old.lane_active(NOW + 1000));
+    // A lane entered after the end wins over it.
+    let mut again = SubState::default();
+    again.enter_lane(&wall(&[]), NOW + 2000);
+    assert!(ended.merge_later(&again));
+    assert!(ended.lane_active(NOW + 2000));
 }
