@@ -132,14 +132,7 @@ impl Driver<'_> {
         let r = &self.req;
         let pin = r.pin_key.as_deref().and_then(|k| r.engine.pinned(k));
         let selection = {
-            let asker = Asker {
-                client: r.client,
-                lease: r
-                    .lease
-                    .as_ref()
-                    .map(|l| (l.owner_hash.as_str(), l.connection.as_str())),
-                tried: fsm.tried(),
-            };
+            let asker = asker(r, fsm.tried());
             r.engine
                 .select(r.snap, r.model, r.family, &asker, pin.as_deref())
         };
@@ -276,14 +269,7 @@ impl Driver<'_> {
         let r = &self.req;
         // Not the request's tried set: it holds this very pick.
         let none_tried = crate::policy::failover::Tried::default();
-        let asker = Asker {
-            client: r.client,
-            lease: r
-                .lease
-                .as_ref()
-                .map(|l| (l.owner_hash.as_str(), l.connection.as_str())),
-            tried: &none_tried,
-        };
+        let asker = asker(r, &none_tried);
         let c = Candidate {
             target: pick.target,
             provider: pick.provider,
@@ -320,14 +306,7 @@ impl Driver<'_> {
     /// terminal or been leased meanwhile, and its breaker must still give a permit.
     fn recheck(&mut self, fsm: &Failover, c: Candidate, permit: PermitGuard) -> Queued {
         let r = &self.req;
-        let asker = Asker {
-            client: r.client,
-            lease: r
-                .lease
-                .as_ref()
-                .map(|l| (l.owner_hash.as_str(), l.connection.as_str())),
-            tried: fsm.tried(),
-        };
+        let asker = asker(r, fsm.tried());
         if !r
             .engine
             .still_runnable(r.snap, r.model, r.family, &asker, &c)
@@ -464,6 +443,18 @@ impl Driver<'_> {
                 self.req.engine.record(&info, Outcome::Abandoned);
             }
         }
+    }
+}
+
+/// Who asks for candidates: the request's client and lease, and what it already tried.
+fn asker<'r>(req: &'r Request<'_>, tried: &'r crate::policy::failover::Tried) -> Asker<'r> {
+    Asker {
+        client: req.client,
+        lease: req
+            .lease
+            .as_ref()
+            .map(|l| (l.owner_hash.as_str(), l.connection.as_str())),
+        tried,
     }
 }
 
