@@ -70,6 +70,13 @@ fn account(mock: &Mock) -> Value {
     mock.stats()["subscription"].clone()
 }
 
+/// Some counters of the account's stats, in order (absent ones read as `u64::MAX`).
+fn tally(a: &Value, keys: &[&str]) -> Vec<u64> {
+    keys.iter()
+        .map(|k| a[*k].as_u64().unwrap_or(u64::MAX))
+        .collect()
+}
+
 fn calls(mock: &Mock, token: &str) -> u64 {
     mock.stats()["by_credential"][token].as_u64().unwrap_or(0)
 }
@@ -136,11 +143,7 @@ fn a_wall_takes_the_lane_on_the_same_connection_and_later_requests_start_slow() 
         assert_eq!(r.header("x-sluice-connection"), Some("sub"));
     }
     let a = account(&mock);
-    assert_eq!(
-        (a["walls"].as_u64(), a["slow_requests"].as_u64()),
-        (Some(1), Some(4)),
-        "{a}"
-    );
+    assert_eq!(tally(&a, &["walls", "slow_requests"]), [1, 4], "{a}");
 
     // The lane survives a restart (kill -9 after the batched write had time to land).
     std::thread::sleep(Duration::from_millis(600));
@@ -148,11 +151,7 @@ fn a_wall_takes_the_lane_on_the_same_connection_and_later_requests_start_slow() 
     let r = messages(&gw);
     assert_eq!(r.status, 200, "{}", r.text());
     let a = account(&mock);
-    assert_eq!(
-        (a["walls"].as_u64(), a["slow_requests"].as_u64()),
-        (Some(1), Some(5)),
-        "{a}"
-    );
+    assert_eq!(tally(&a, &["walls", "slow_requests"]), [1, 5], "{a}");
     assert_eq!(row(&gw, "sub")["subscription"]["lane"], "active");
 }
 
@@ -178,11 +177,7 @@ fn a_lane_kept_after_low_priority_is_switched_off_is_not_used() {
     assert_eq!(r.header("x-sluice-connection"), Some("sub"));
     let a = account(&mock);
     assert_eq!(a["walls"], 2, "{a}");
-    assert_eq!(
-        (a["usage_calls"].as_u64(), a["claim_calls"].as_u64()),
-        (Some(1), Some(1)),
-        "{a}"
-    );
+    assert_eq!(tally(&a, &["usage_calls", "claim_calls"]), [1, 1], "{a}");
     assert_eq!(a["slow_requests"], 1, "{a}");
 }
 
@@ -205,11 +200,7 @@ fn a_busy_slot_is_waited_out_for_its_retry_after() {
         "served after {took:?}"
     );
     let a = account(&mock);
-    assert_eq!(
-        (a["walls"].as_u64(), a["slow_requests"].as_u64()),
-        (Some(1), Some(2)),
-        "{a}"
-    );
+    assert_eq!(tally(&a, &["walls", "slow_requests"]), [1, 2], "{a}");
     assert_eq!(calls(&mock, "oat-spare"), 0);
     assert_eq!(event(&gw, "lane_wait"), 1.0);
     assert_eq!(row(&gw, "sub")["state"], "ok");
@@ -231,11 +222,7 @@ fn waits_past_their_cap_end_the_lane_with_a_cool_off_and_the_normal_cooldown() {
     assert_eq!(r.header("x-sluice-connection"), Some("spare"));
     assert!(took < Duration::from_secs(12), "took {took:?}");
     let a = account(&mock);
-    assert_eq!(
-        (a["walls"].as_u64(), a["slow_requests"].as_u64()),
-        (Some(1), Some(2)),
-        "{a}"
-    );
+    assert_eq!(tally(&a, &["walls", "slow_requests"]), [1, 2], "{a}");
     assert_eq!(event(&gw, "lane_wait"), 1.0);
     assert_eq!(event(&gw, "lane_max_wait"), 1.0);
     let sub = row(&gw, "sub");
@@ -258,11 +245,7 @@ fn waits_past_their_cap_end_the_lane_with_a_cool_off_and_the_normal_cooldown() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("x-sluice-connection"), Some("spare"));
     let a = account(&mock);
-    assert_eq!(
-        (a["walls"].as_u64(), a["slow_requests"].as_u64()),
-        (Some(2), Some(2)),
-        "{a}"
-    );
+    assert_eq!(tally(&a, &["walls", "slow_requests"]), [2, 2], "{a}");
     assert_eq!(row(&gw, "sub")["state"], "cooling");
 }
 
@@ -283,11 +266,7 @@ fn a_claimed_limit_reset_goes_on_at_full_speed() {
     assert_eq!(a["last_oauth_bearer"], true, "{a}");
     assert_eq!(a["last_oauth_beta"], "oauth-2025-04-20", "{a}");
     // The retry went at full speed, not on the lane.
-    assert_eq!(
-        (a["walls"].as_u64(), a["fast_requests"].as_u64()),
-        (Some(1), Some(2)),
-        "{a}"
-    );
+    assert_eq!(tally(&a, &["walls", "fast_requests"]), [1, 2], "{a}");
     assert_eq!(a["slow_requests"], 0, "{a}");
     assert!(mock.stats()["last_headers"]
         .get("anthropic-usage-limit")
@@ -305,11 +284,7 @@ fn a_claimed_limit_reset_goes_on_at_full_speed() {
     assert_eq!(r.status, 200);
     assert_eq!(r.header("x-sluice-connection"), Some("sub"), "{}", r.text());
     let a = account(&mock);
-    assert_eq!(
-        (a["walls"].as_u64(), a["fast_requests"].as_u64()),
-        (Some(1), Some(3)),
-        "{a}"
-    );
+    assert_eq!(tally(&a, &["walls", "fast_requests"]), [1, 3], "{a}");
 }
 
 #[test]
@@ -325,11 +300,7 @@ fn a_limit_reset_already_used_is_remembered() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("x-sluice-connection"), Some("spare"));
     let a = account(&mock);
-    assert_eq!(
-        (a["usage_calls"].as_u64(), a["claim_calls"].as_u64()),
-        (Some(1), Some(1)),
-        "{a}"
-    );
+    assert_eq!(tally(&a, &["usage_calls", "claim_calls"]), [1, 1], "{a}");
     let sub = row(&gw, "sub");
     assert_eq!(sub["state"], "cooling", "{sub}");
     let next = sub["subscription"]["limit_reset_available_in_s"]
@@ -350,11 +321,7 @@ fn a_limit_reset_already_used_is_remembered() {
     assert_eq!(r.header("x-sluice-connection"), Some("spare"));
     let a = account(&mock);
     assert_eq!(a["walls"], 2, "{a}");
-    assert_eq!(
-        (a["usage_calls"].as_u64(), a["claim_calls"].as_u64()),
-        (Some(1), Some(1)),
-        "{a}"
-    );
+    assert_eq!(tally(&a, &["usage_calls", "claim_calls"]), [1, 1], "{a}");
 }
 
 #[test]
@@ -366,11 +333,7 @@ fn a_failed_usage_check_falls_back_to_the_lane_and_is_not_retried_for_15_minutes
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("x-sluice-connection"), Some("sub"));
     let a = account(&mock);
-    assert_eq!(
-        (a["usage_calls"].as_u64(), a["claim_calls"].as_u64()),
-        (Some(1), Some(0)),
-        "{a}"
-    );
+    assert_eq!(tally(&a, &["usage_calls", "claim_calls"]), [1, 0], "{a}");
     assert_eq!(a["slow_requests"], 1, "{a}");
     let sub = row(&gw, "sub");
     let retry = sub["subscription"]["limit_reset_retry_in_s"]
@@ -417,11 +380,7 @@ fn a_lane_entered_on_one_node_is_taken_by_another_through_redis() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.header("x-sluice-connection"), Some("sub"));
     let acc = account(&mock);
-    assert_eq!(
-        (acc["walls"].as_u64(), acc["slow_requests"].as_u64()),
-        (Some(1), Some(2)),
-        "{acc}"
-    );
+    assert_eq!(tally(&acc, &["walls", "slow_requests"]), [1, 2], "{acc}");
 }
 
 fn check(yaml: &str) -> (i32, String) {

@@ -176,8 +176,7 @@ enum Reset {
     Gone,
 }
 
-/// The usage check and, when it offers one, the claim. True: the account is at full
-/// speed again.
+/// The usage check and, when it offers one, the claim.
 async fn limit_reset(
     session: &mut Session,
     watch: &mut ClientWatch,
@@ -188,31 +187,22 @@ async fn limit_reset(
 ) -> Reset {
     let engine = call.req.engine;
     let snap = call.req.snap;
-    let base = sub.oauth_base.as_ref().unwrap_or(&p.base_url);
-    let usage_path = format!(
-        "{}/api/oauth/usage?at_wall=1&skip_spend=1",
-        base.path_prefix
-    );
-    let usage = match oauth_call(
-        session,
-        watch,
+    let oauth = OAuth {
         call,
         p,
         conn,
-        base,
-        "GET",
-        &usage_path,
-        None,
-    )
-    .await
-    {
-        Ok((200..=299, body)) => parse_usage(&body),
-        Ok(_) | Err(CallError::Failed(_)) => None,
-        Err(CallError::ClientGone) => return Reset::Gone,
-        Err(CallError::OutOfTime) => return Reset::No,
+        base: sub.oauth_base.as_ref().unwrap_or(&p.base_url),
     };
-    let Some(usage) = usage else {
-        return reset_failed(call, p, conn, "usage check");
+    let usage_path = format!(
+        "{}/api/oauth/usage?at_wall=1&skip_spend=1",
+        oauth.base.path_prefix
+    );
+    let usage = match oauth
+        .ask(session, watch, "GET", &usage_path, None, parse_usage)
+        .await
+    {
+        Ok(u) => u,
+        Err(stop) => return oauth.stopped(stop, "usage check"),
     };
     let now = engine.now();
     if !engine.with_subscription(snap, call.pick, |s| s.on_usage(usage, now)) {
@@ -220,154 +210,170 @@ async fn limit_reset(
         tracing::info!(provider = %p.id, connection = %conn.id, "subscription limit reset not available");
         return Reset::No;
     }
+    // `sluice check` requires the organization with limit_reset.
     let Some(org) = &sub.organization_uuid else {
-        return reset_failed(call, p, conn, "claim (no organization_uuid)");
+        return oauth.stopped(Stop::Failed("no organization_uuid".into()), "claim");
     };
     let claim_path = format!(
         "{}/api/organizations/{org}/reset_rate_limits",
-        base.path_prefix
+        oauth.base.path_prefix
     );
-    let body = Bytes::from(claim_body());
-    let claim = match oauth_call(
-        session,
-        watch,
-        call,
-        p,
-        conn,
-        base,
-        "POST",
-        &claim_path,
-        Some(body),
-    )
-    .await
+    let body = Some(Bytes::from(claim_body()));
+    let claim = match oauth
+        .ask(session, watch, "POST", &claim_path, body, parse_claim)
+        .await
     {
-        Ok((200..=299, body)) => parse_claim(&body),
-        Ok(_) | Err(CallError::Failed(_)) => None,
-        Err(CallError::ClientGone) => return Reset::Gone,
-        Err(CallError::OutOfTime) => return Reset::No,
-    };
-    let Some(claim) = claim else {
-        return reset_failed(call, p, conn, "claim");
+        Ok(c) => c,
+        Err(stop) => return oauth.stopped(stop, "claim"),
     };
     let now = engine.now();
-    let full = engine.with_subscription(snap, call.pick, |s| s.on_claim(claim, now));
-    if full {
+    if engine.with_subscription(snap, call.pick, |s| s.on_claim(claim, now)) {
         engine.subscription_event("limit_reset_claimed");
         tracing::warn!(provider = %p.id, connection = %conn.id, "subscription limit reset claimed: full speed again");
+        Reset::FullSpeed
     } else {
         engine.subscription_event("limit_reset_unavailable");
         tracing::info!(provider = %p.id, connection = %conn.id, "subscription limit reset already used or not offered");
-    }
-    if full {
-        Reset::FullSpeed
-    } else {
         Reset::No
     }
 }
 
-fn reset_failed(call: &Call<'_, '_>, p: &Provider, conn: &Connection, what: &str) -> Reset {
-    let engine = call.req.engine;
-    let now = engine.now();
-    engine.with_subscription(call.req.snap, call.pick, |s| s.on_reset_failure(now));
-    engine.subscription_event("limit_reset_failed");
-    tracing::warn!(provider = %p.id, connection = %conn.id, step = what,
-        "subscription limit reset failed: not tried again for 15 minutes");
-    Reset::No
-}
-
-/// One HTTP/1.1 call to the OAuth base with the connection's token: (status, body).
-#[allow(clippy::too_many_arguments)]
-async fn oauth_call(
-    session: &mut Session,
-    watch: &mut ClientWatch,
-    call: &Call<'_, '_>,
-    p: &Provider,
-    conn: &Connection,
-    base: &BaseUrl,
-    method: &str,
-    path: &str,
-    body: Option<Bytes>,
-) -> Result<(u16, Bytes), CallError> {
-    let engine = call.req.engine;
-    let left = call.deadline.saturating_duration_since(monotonic());
-    let limit = OAUTH_CALL_LIMIT.min(left);
-    let exchange = async {
-        let addr = engine
-            .resolver
-            .resolve(&base.host, base.port, monotonic())
-            .await
-            .map_err(|_| "dns lookup failed".to_string())?;
-        let peer = oauth_peer(addr, base, p);
-        let mut req =
-            RequestHeader::build(method, path.as_bytes(), Some(6)).map_err(|e| e.to_string())?;
-        let set = |req: &mut RequestHeader, k: &'static str, v: String| {
-            req.insert_header(k, v).map_err(|e| e.to_string())
-        };
-        set(&mut req, "host", base.authority())?;
-        if let Some(key) = &conn.key {
-            set(
-                &mut req,
-                "authorization",
-                format!("Bearer {}", key.expose()),
-            )?;
-        }
-        set(&mut req, "anthropic-beta", merged_beta(None))?;
-        set(&mut req, "accept", "application/json".into())?;
-        set(
-            &mut req,
-            "content-length",
-            body.as_ref().map_or(0, Bytes::len).to_string(),
-        )?;
-        if body.is_some() {
-            set(&mut req, "content-type", "application/json".into())?;
-        }
-        // A new connection: a pooled one the upstream closed would fail the call, and
-        // the call is rare (one per wall).
-        let mut up = engine
-            .upstreams
-            .fresh(&peer)
-            .await
-            .map_err(|e| e.to_string())?;
-        up.write_request_header(Box::new(req))
-            .await
-            .map_err(|e| e.to_string())?;
-        if let Some(b) = body {
-            up.write_request_body(b, true)
-                .await
-                .map_err(|e| e.to_string())?;
-        }
-        up.finish_request_body().await.map_err(|e| e.to_string())?;
-        up.read_response_header().await.map_err(|e| e.to_string())?;
-        let status = up.response_header().map_or(0, |h| h.status.as_u16());
-        let mut buf = BytesMut::new();
-        let complete = super::attempt::read_bounded(&mut up, &mut buf, OAUTH_BODY_LIMIT)
-            .await
-            .map_err(|e| e.to_string())?;
-        if complete {
-            engine
-                .upstreams
-                .release(up, &peer, super::attempt::POOL_IDLE)
-                .await;
-        }
-        Ok((status, buf.freeze()))
-    };
-    match watch.race(session, limit, exchange).await {
-        Wait::Ready(r) => r.map_err(CallError::Failed),
-        // Out of the request's own budget: nothing learnt about the upstream.
-        Wait::TimedOut if left < OAUTH_CALL_LIMIT => Err(CallError::OutOfTime),
-        Wait::TimedOut => Err(CallError::Failed("timed out".into())),
-        Wait::ClientGone => Err(CallError::ClientGone),
-    }
-}
-
-/// Why an OAuth call gave no answer.
-enum CallError {
-    /// The upstream's failure (transport, timeout): the reset is not tried for 15 min.
-    Failed(#[allow(dead_code)] String),
+/// Why an OAuth call gave no usable answer.
+enum Stop {
+    /// The upstream's failure (transport, timeout, status, body): the reset is not
+    /// tried for 15 min.
+    Failed(String),
     /// The client left: nothing is learnt about the upstream.
     ClientGone,
     /// The request's deadline came first: nothing is learnt either.
     OutOfTime,
+}
+
+/// The fixed parts of the OAuth calls of one wall: the request, its connection (whose
+/// token they carry) and where they go.
+struct OAuth<'c, 'r, 'a> {
+    call: &'c Call<'r, 'a>,
+    p: &'c Provider,
+    conn: &'c Connection,
+    base: &'c BaseUrl,
+}
+
+impl OAuth<'_, '_, '_> {
+    /// What a call that gave no usable answer means for the reset.
+    fn stopped(&self, stop: Stop, step: &str) -> Reset {
+        let detail = match stop {
+            Stop::ClientGone => return Reset::Gone,
+            Stop::OutOfTime => return Reset::No,
+            Stop::Failed(detail) => detail,
+        };
+        let engine = self.call.req.engine;
+        let now = engine.now();
+        engine.with_subscription(self.call.req.snap, self.call.pick, |s| {
+            s.on_reset_failure(now)
+        });
+        engine.subscription_event("limit_reset_failed");
+        tracing::warn!(provider = %self.p.id, connection = %self.conn.id, step, detail = %detail,
+            "subscription limit reset failed: not tried again for 15 minutes");
+        Reset::No
+    }
+
+    /// One call whose 2xx body `parse` reads.
+    async fn ask<T>(
+        &self,
+        session: &mut Session,
+        watch: &mut ClientWatch,
+        method: &str,
+        path: &str,
+        body: Option<Bytes>,
+        parse: fn(&[u8]) -> Option<T>,
+    ) -> Result<T, Stop> {
+        let (status, answer) = self.send(session, watch, method, path, body).await?;
+        if !(200..300).contains(&status) {
+            return Err(Stop::Failed(format!("status {status}")));
+        }
+        parse(&answer).ok_or_else(|| Stop::Failed("unexpected answer".into()))
+    }
+
+    /// One HTTP/1.1 call with the connection's token: (status, body).
+    async fn send(
+        &self,
+        session: &mut Session,
+        watch: &mut ClientWatch,
+        method: &str,
+        path: &str,
+        body: Option<Bytes>,
+    ) -> Result<(u16, Bytes), Stop> {
+        let (engine, base, p, conn) = (self.call.req.engine, self.base, self.p, self.conn);
+        let left = self.call.deadline.saturating_duration_since(monotonic());
+        let limit = OAUTH_CALL_LIMIT.min(left);
+        let exchange = async {
+            let addr = engine
+                .resolver
+                .resolve(&base.host, base.port, monotonic())
+                .await
+                .map_err(|_| "dns lookup failed".to_string())?;
+            let peer = oauth_peer(addr, base, p);
+            let mut req = RequestHeader::build(method, path.as_bytes(), Some(6))
+                .map_err(|e| e.to_string())?;
+            let set = |req: &mut RequestHeader, k: &'static str, v: String| {
+                req.insert_header(k, v).map_err(|e| e.to_string())
+            };
+            set(&mut req, "host", base.authority())?;
+            if let Some(key) = &conn.key {
+                set(
+                    &mut req,
+                    "authorization",
+                    format!("Bearer {}", key.expose()),
+                )?;
+            }
+            set(&mut req, "anthropic-beta", merged_beta(None))?;
+            set(&mut req, "accept", "application/json".into())?;
+            set(
+                &mut req,
+                "content-length",
+                body.as_ref().map_or(0, Bytes::len).to_string(),
+            )?;
+            if body.is_some() {
+                set(&mut req, "content-type", "application/json".into())?;
+            }
+            // A new connection: a pooled one the upstream closed would fail the call, and
+            // the call is rare (one per wall).
+            let mut up = engine
+                .upstreams
+                .fresh(&peer)
+                .await
+                .map_err(|e| e.to_string())?;
+            up.write_request_header(Box::new(req))
+                .await
+                .map_err(|e| e.to_string())?;
+            if let Some(b) = body {
+                up.write_request_body(b, true)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            }
+            up.finish_request_body().await.map_err(|e| e.to_string())?;
+            up.read_response_header().await.map_err(|e| e.to_string())?;
+            let status = up.response_header().map_or(0, |h| h.status.as_u16());
+            let mut buf = BytesMut::new();
+            let complete = super::attempt::read_bounded(&mut up, &mut buf, OAUTH_BODY_LIMIT)
+                .await
+                .map_err(|e| e.to_string())?;
+            if complete {
+                engine
+                    .upstreams
+                    .release(up, &peer, super::attempt::POOL_IDLE)
+                    .await;
+            }
+            Ok((status, buf.freeze()))
+        };
+        match watch.race(session, limit, exchange).await {
+            Wait::Ready(r) => r.map_err(Stop::Failed),
+            // Out of the request's own budget: nothing learnt about the upstream.
+            Wait::TimedOut if left < OAUTH_CALL_LIMIT => Err(Stop::OutOfTime),
+            Wait::TimedOut => Err(Stop::Failed("timed out".into())),
+            Wait::ClientGone => Err(Stop::ClientGone),
+        }
+    }
 }
 
 /// The peer of the OAuth base: the provider's own when it is the same place, else the
