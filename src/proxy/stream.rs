@@ -12,6 +12,13 @@
 //!
 //! Heartbeats (comments, pings, empty `data:`) never reset the stall timer. The upstream
 //! connection goes back to the pool only after its body was read whole.
+//!
+//! Chunks the upstream connection already holds are passed on together: Pingora writes
+//! and flushes every chunk it is given, so a body read in one receive but framed as eight
+//! chunks would leave as eight sends. A chunk is taken into a batch only when it is ready
+//! without waiting, so nothing is held back that could have been sent; every chunk still
+//! goes through the guards one by one, and a failing stream delivers the batch before
+//! its error event.
 
 use super::attempt::{Committed, POOL_IDLE};
 use super::ctx::Request;
@@ -23,9 +30,14 @@ use crate::codes::AbortReason;
 use crate::policy::watchdog::{classify_event, ThroughputWatchdog, WatchdogConfig};
 use crate::server::lifecycle::until_set;
 use crate::sse::{SseAssembler, SseEvent, SseProgress};
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
+use futures::FutureExt;
+use pingora::protocols::http::client::HttpSession;
 use pingora::proxy::Session;
 use std::time::Instant;
+
+/// Most bytes passed on in one write when the upstream has more ready.
+const BATCH_MAX: usize = 64 * 1024;
 
 /// How a committed response ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,7 +106,7 @@ impl<'r, 'a> Pump<'r, 'a> {
         &mut self,
         session: &mut Session,
         watch: &mut ClientWatch,
-        up: &mut pingora::protocols::http::client::HttpSession,
+        up: &mut HttpSession,
         first: Bytes,
     ) -> StreamEnd {
         let stall = self.req.snap.config.resilience.stream.stall_timeout;
@@ -102,7 +114,7 @@ impl<'r, 'a> Pump<'r, 'a> {
         let mut next = Some(first);
         loop {
             if let Some(chunk) = next.take() {
-                if let Some(end) = self.forward(session, chunk).await {
+                if let Some(end) = self.forward(session, up, chunk).await {
                     return end;
                 }
             }
@@ -118,63 +130,117 @@ impl<'r, 'a> Pump<'r, 'a> {
                 }
             };
             let got = match watch.race(session, limit, read).await {
-                Wait::Ready(None) => return self.fail(session, AbortReason::Shutdown).await,
+                Wait::Ready(None) => return self.fail(session, None, AbortReason::Shutdown).await,
                 Wait::Ready(Some(r)) => Wait::Ready(r),
                 Wait::TimedOut => Wait::TimedOut,
                 Wait::ClientGone => Wait::ClientGone,
             };
             match got {
                 Wait::Ready(Ok(Some(c))) => next = Some(c),
-                Wait::Ready(Ok(None)) if self.is_sse && self.boundary.is_mid_event() => {
-                    // The upstream closed inside an event: not a complete stream.
-                    return self.fail(session, AbortReason::UpstreamError).await;
+                Wait::Ready(Ok(None)) => return self.finish(session, None).await,
+                Wait::Ready(Err(_)) => {
+                    return self.fail(session, None, AbortReason::UpstreamError).await
                 }
-                Wait::Ready(Ok(None)) => {
-                    return match session.write_response_body(None, true).await {
-                        Ok(()) => StreamEnd::Complete,
-                        Err(_) => cut(AbortReason::ClientGone),
-                    };
-                }
-                Wait::Ready(Err(_)) => return self.fail(session, AbortReason::UpstreamError).await,
                 Wait::TimedOut if monotonic() >= self.deadline => {
-                    return self.fail(session, AbortReason::ExecutionTimeout).await
+                    return self
+                        .fail(session, None, AbortReason::ExecutionTimeout)
+                        .await
                 }
-                Wait::TimedOut => return self.fail(session, AbortReason::Stall).await,
+                Wait::TimedOut => return self.fail(session, None, AbortReason::Stall).await,
                 Wait::ClientGone => return cut(AbortReason::ClientGone),
             }
         }
     }
 
-    /// Passes one chunk on, unless the watchdog ends the stream on it.
-    async fn forward(&mut self, session: &mut Session, chunk: Bytes) -> Option<StreamEnd> {
-        if !self.is_sse || self.progress.feed(&chunk) {
+    /// Passes `chunk` on, with the chunks the upstream already holds after it, in one
+    /// write; `Some` when the stream ended meanwhile (the watchdog, the client, or the
+    /// upstream's end or failure).
+    async fn forward(
+        &mut self,
+        session: &mut Session,
+        up: &mut HttpSession,
+        chunk: Bytes,
+    ) -> Option<StreamEnd> {
+        let mut batch = Batch::default();
+        let mut chunk = chunk;
+        let ended = loop {
+            if !self.admit(&chunk) {
+                // The chunk that tipped the verdict is not delivered (SPEC §5.9).
+                return Some(
+                    self.fail(session, batch.take(), AbortReason::Throughput)
+                        .await,
+                );
+            }
+            batch.push(chunk);
+            if batch.len >= BATCH_MAX {
+                break None;
+            }
+            // Cancel-safe: the stream phase races this read against timers anyway.
+            match up.read_response_body().now_or_never() {
+                Some(Ok(Some(c))) => chunk = c,
+                Some(Ok(None)) => break Some(Ok(())),
+                Some(Err(_)) => break Some(Err(())),
+                None => break None,
+            }
+        };
+        match ended {
+            None => match session.write_response_body(batch.take(), false).await {
+                Ok(()) => None,
+                Err(_) => Some(cut(AbortReason::ClientGone)),
+            },
+            Some(Ok(())) => Some(self.finish(session, batch.take()).await),
+            Some(Err(())) => Some(
+                self.fail(session, batch.take(), AbortReason::UpstreamError)
+                    .await,
+            ),
+        }
+    }
+
+    /// Runs the guards on one chunk: false when the watchdog ends the stream on it.
+    fn admit(&mut self, chunk: &[u8]) -> bool {
+        if !self.is_sse || self.progress.feed(chunk) {
             self.last_progress = monotonic();
         }
         let now = self.req.engine.now();
         if self
             .watchdog
             .as_mut()
-            .is_some_and(|w| w.too_slow(&chunk, now))
+            .is_some_and(|w| w.too_slow(chunk, now))
         {
-            // The chunk that tipped the verdict is not delivered (SPEC §5.9).
-            return Some(self.fail(session, AbortReason::Throughput).await);
+            return false;
         }
         if self.is_sse {
-            self.boundary.feed(&chunk);
+            self.boundary.feed(chunk);
         }
-        match session.write_response_body(Some(chunk), false).await {
-            Ok(()) => None,
-            Err(_) => Some(cut(AbortReason::ClientGone)),
+        true
+    }
+
+    /// Ends the body as the upstream ended it, `held` written first.
+    async fn finish(&mut self, session: &mut Session, held: Option<Bytes>) -> StreamEnd {
+        if self.is_sse && self.boundary.is_mid_event() {
+            // The upstream closed inside an event: not a complete stream.
+            return self.fail(session, held, AbortReason::UpstreamError).await;
+        }
+        match session.write_response_body(held, true).await {
+            Ok(()) => StreamEnd::Complete,
+            Err(_) => cut(AbortReason::ClientGone),
         }
     }
 
-    /// Ends a committed response that failed: an SSE stream with the family's error
-    /// event on an event boundary and a clean end; any other body by a cut.
-    async fn fail(&mut self, session: &mut Session, reason: AbortReason) -> StreamEnd {
+    /// Ends a committed response that failed: an SSE stream with `held` (chunks that
+    /// passed the guards), the family's error event on an event boundary and a clean
+    /// end; any other body by a cut.
+    async fn fail(
+        &mut self,
+        session: &mut Session,
+        held: Option<Bytes>,
+        reason: AbortReason,
+    ) -> StreamEnd {
         if !self.is_sse {
             return cut(reason);
         }
-        let mut tail = self.boundary.terminator().to_vec();
+        let mut tail = held.map(Vec::from).unwrap_or_default();
+        tail.extend_from_slice(self.boundary.terminator());
         tail.extend_from_slice(&respond::sse_error_event(self.req.route, reason));
         let ended = session
             .write_response_body(Some(Bytes::from(tail)), false)
@@ -184,6 +250,39 @@ impl<'r, 'a> Pump<'r, 'a> {
         StreamEnd::Aborted {
             reason,
             cut: !ended,
+        }
+    }
+}
+
+/// Chunks gathered for one write: the first kept as it is, a copy only once a second
+/// one joins it.
+#[derive(Default)]
+struct Batch {
+    one: Option<Bytes>,
+    many: BytesMut,
+    len: usize,
+}
+
+impl Batch {
+    fn push(&mut self, chunk: Bytes) {
+        self.len += chunk.len();
+        if let Some(first) = self.one.take() {
+            self.many.reserve(first.len() + chunk.len());
+            self.many.extend_from_slice(&first);
+            self.many.extend_from_slice(&chunk);
+        } else if self.many.is_empty() {
+            self.one = Some(chunk);
+        } else {
+            self.many.extend_from_slice(&chunk);
+        }
+    }
+
+    fn take(&mut self) -> Option<Bytes> {
+        self.len = 0;
+        match self.one.take() {
+            Some(b) => Some(b),
+            None if self.many.is_empty() => None,
+            None => Some(self.many.split().freeze()),
         }
     }
 }
@@ -218,5 +317,28 @@ impl Watch {
                 .observe(classify_event(e.event.as_deref(), &e.data), now);
         }
         self.dog.should_abort(now)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Batch;
+    use bytes::Bytes;
+
+    #[test]
+    fn a_batch_gives_back_its_chunks_in_order_and_starts_empty_again() {
+        let mut b = Batch::default();
+        assert_eq!(b.take(), None);
+        b.push(Bytes::from_static(b"data: a\n\n"));
+        assert_eq!(b.len, 9);
+        assert_eq!(b.take().as_deref(), Some(&b"data: a\n\n"[..]));
+        assert_eq!((b.len, b.take()), (0, None));
+        for part in ["data: b\n", "\n", "data: c\n\n"] {
+            b.push(Bytes::from(part));
+        }
+        assert_eq!(b.len, 18);
+        assert_eq!(b.take().as_deref(), Some(&b"data: b\n\ndata: c\n\n"[..]));
+        b.push(Bytes::from_static(b"x"));
+        assert_eq!(b.take().as_deref(), Some(&b"x"[..]));
     }
 }
