@@ -36,7 +36,7 @@ use pingora::protocols::http::client::HttpSession;
 use pingora::proxy::Session;
 use std::time::Instant;
 
-/// Most bytes passed on in one write when the upstream has more ready.
+/// A batch stops taking chunks once it holds this much (so at most this plus one chunk).
 const BATCH_MAX: usize = 64 * 1024;
 
 /// How a committed response ended.
@@ -163,7 +163,9 @@ impl<'r, 'a> Pump<'r, 'a> {
     ) -> Option<StreamEnd> {
         let mut batch = Batch::default();
         let mut chunk = chunk;
+        let mut progressed = false;
         let ended = loop {
+            progressed |= !self.is_sse || self.progress.feed(&chunk);
             if !self.admit(&chunk) {
                 // The chunk that tipped the verdict is not delivered (SPEC §5.9).
                 return Some(
@@ -175,7 +177,9 @@ impl<'r, 'a> Pump<'r, 'a> {
             if batch.len >= BATCH_MAX {
                 break None;
             }
-            // Cancel-safe: the stream phase races this read against timers anyway.
+            // Dropping this read unfinished loses nothing: Pingora's HTTP/1 body reader
+            // keeps its state across each socket read, and HTTP/2 data polling is
+            // cancel-safe.
             match up.read_response_body().now_or_never() {
                 Some(Ok(Some(c))) => chunk = c,
                 Some(Ok(None)) => break Some(Ok(())),
@@ -184,10 +188,17 @@ impl<'r, 'a> Pump<'r, 'a> {
             }
         };
         match ended {
-            None => match session.write_response_body(batch.take(), false).await {
-                Ok(()) => None,
-                Err(_) => Some(cut(AbortReason::ClientGone)),
-            },
+            None => {
+                let written = session.write_response_body(batch.take(), false).await;
+                // A slow client's write time does not eat into the next stall window.
+                if progressed {
+                    self.last_progress = monotonic();
+                }
+                match written {
+                    Ok(()) => None,
+                    Err(_) => Some(cut(AbortReason::ClientGone)),
+                }
+            }
             Some(Ok(())) => Some(self.finish(session, batch.take()).await),
             Some(Err(())) => Some(
                 self.fail(session, batch.take(), AbortReason::UpstreamError)
@@ -196,11 +207,9 @@ impl<'r, 'a> Pump<'r, 'a> {
         }
     }
 
-    /// Runs the guards on one chunk: false when the watchdog ends the stream on it.
+    /// Runs the watchdog on one chunk (its progress already fed): false when the
+    /// watchdog ends the stream on it.
     fn admit(&mut self, chunk: &[u8]) -> bool {
-        if !self.is_sse || self.progress.feed(chunk) {
-            self.last_progress = monotonic();
-        }
         let now = self.req.engine.now();
         if self
             .watchdog
@@ -237,6 +246,10 @@ impl<'r, 'a> Pump<'r, 'a> {
         reason: AbortReason,
     ) -> StreamEnd {
         if !self.is_sse {
+            // What passed the guards is still delivered; the cut comes after it.
+            if held.is_some() {
+                let _ = session.write_response_body(held, false).await;
+            }
             return cut(reason);
         }
         let mut tail = held.map(Vec::from).unwrap_or_default();
