@@ -20,6 +20,7 @@ use crate::clock::monotonic;
 use crate::engine::Pick;
 use crate::policy::classify::TransportKind;
 use crate::policy::redact::Redactor;
+use crate::server::frontdoor;
 use bytes::{Bytes, BytesMut};
 use pingora::http::ResponseHeader;
 use pingora::prelude::HttpPeer;
@@ -474,11 +475,13 @@ async fn commit(session: &mut Session, ctx: &mut RequestCtx, mut c: Committed) -
         .get("content-type")
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
     let end_now = c.first.is_none();
-    if session
-        .write_response_header(Box::new(resp), end_now)
-        .await
-        .is_err()
-    {
+    if !end_now {
+        // The first chunk is in hand and is written next: it takes the header along.
+        frontdoor::hold_next_flush(&session.downstream_session);
+    }
+    let written = session.write_response_header(Box::new(resp), end_now).await;
+    frontdoor::release_flush(&session.downstream_session);
+    if written.is_err() {
         return AttemptEnd::ClientGone;
     }
     ctx.status = c.header.status.as_u16();

@@ -28,6 +28,7 @@ use super::watch::{ClientWatch, Wait};
 use crate::clock::monotonic;
 use crate::codes::AbortReason;
 use crate::policy::watchdog::{classify_event, ThroughputWatchdog, WatchdogConfig};
+use crate::server::frontdoor;
 use crate::server::lifecycle::until_set;
 use crate::sse::{SseAssembler, SseEvent, SseProgress};
 use bytes::{Bytes, BytesMut};
@@ -230,7 +231,17 @@ impl<'r, 'a> Pump<'r, 'a> {
             // The upstream closed inside an event: not a complete stream.
             return self.fail(session, held, AbortReason::UpstreamError).await;
         }
-        match session.write_response_body(held, true).await {
+        // Pingora flushes the last data chunk, then writes and flushes the terminating
+        // one: the first flush is skipped so both leave together.
+        let coalesce = held.as_ref().is_some_and(|b| !b.is_empty());
+        if coalesce {
+            frontdoor::hold_next_flush(&session.downstream_session);
+        }
+        let written = session.write_response_body(held, true).await;
+        if coalesce {
+            frontdoor::release_flush(&session.downstream_session);
+        }
+        match written {
             Ok(()) => StreamEnd::Complete,
             Err(_) => cut(AbortReason::ClientGone),
         }

@@ -17,7 +17,14 @@
 //! Outside the header phase it coalesces small writes (up to [`WRITE_BUFFER`] bytes,
 //! sent on flush or when full), as Pingora's own socket buffer does, so a response's
 //! header and a short body leave in one send. Pingora flushes wherever a response must
-//! go out.
+//! go out. A write that does not fit goes out in one vectored send with what was held.
+//!
+//! The gateway may skip one flush it knows another follows at once
+//! ([`ClientStream::hold_next_flush`]): Pingora flushes a chunked response's header and
+//! every chunk, so an SSE answer whose header, body and last chunk are all in hand would
+//! otherwise leave as three sends. Invariant: a skipped flush is never the last one —
+//! what it held goes out at the next flush, and at the latest when the connection is
+//! next read (the following request), shut down or dropped.
 //!
 //! The phase ends when the gateway's first hook calls [`ClientStream::header_done`]: the
 //! header parsed and the request is the gateway's from then on (the blank line alone
@@ -34,7 +41,7 @@ use pingora::protocols::{Shutdown, Ssl, Stream};
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -47,6 +54,13 @@ const NEXT: u8 = 2;
 
 /// Small writes are held up to this size (one TCP segment) until a flush.
 pub const WRITE_BUFFER: usize = 1460;
+
+/// While a flush is skipped, writes are held up to this size, so an answer whose
+/// header, body and end are all in hand leaves in one send.
+const HELD_MAX: usize = 16 * 1024;
+
+/// Slices per vectored send: what is held, then the caller's (Pingora passes three).
+const VECTOR: usize = 8;
 
 /// Largest request header accepted (request line and fields, blank line included).
 pub const MAX_HEADER_BYTES: usize = 64 * 1024;
@@ -72,6 +86,10 @@ pub struct ClientStream {
     pending: Option<Pending>,
     /// Coalesced writes not yet sent.
     wbuf: Vec<u8>,
+    /// The next flush is to be skipped (set and cleared by the hooks, which hold `&`).
+    hold: AtomicBool,
+    /// A flush was skipped and none has happened since.
+    owed: bool,
 }
 
 #[derive(Debug)]
@@ -97,7 +115,43 @@ impl ClientStream {
             anthropic: false,
             pending: None,
             wbuf: Vec::new(),
+            hold: AtomicBool::new(false),
+            owed: false,
         }
+    }
+
+    /// Skips the next flush: for one write call of the gateway's that Pingora flushes
+    /// partway and again at its end (a chunked header followed by its first chunk, a
+    /// last body chunk followed by the terminating one). Undone by [`Self::release_flush`]
+    /// when the call returns, whether or not a flush came.
+    pub fn hold_next_flush(&self) {
+        self.hold.store(true, Ordering::Relaxed);
+    }
+
+    /// Ends [`Self::hold_next_flush`]: later flushes go out.
+    pub fn release_flush(&self) {
+        self.hold.store(false, Ordering::Relaxed);
+    }
+
+    /// How much may be held: more while a flush is skipped (the buffer shrinks back
+    /// once sent).
+    fn cap(&self) -> usize {
+        if self.owed || self.hold.load(Ordering::Relaxed) {
+            HELD_MAX
+        } else {
+            WRITE_BUFFER
+        }
+    }
+
+    /// Sends what a skipped flush held back.
+    fn poll_owed(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if self.owed {
+            if let Ok(()) = ready!(self.drain_wbuf(cx)) {
+                let _ = ready!(Pin::new(&mut self.inner).poll_flush(cx));
+            }
+            self.owed = false;
+        }
+        Poll::Ready(())
     }
 
     /// Starts the header phase of the next request on a kept-alive connection: its
@@ -208,6 +262,9 @@ impl ClientStream {
                 Err(e) => return Poll::Ready(Err(e)),
             }
         }
+        if self.wbuf.capacity() > WRITE_BUFFER {
+            self.wbuf.shrink_to(WRITE_BUFFER);
+        }
         Poll::Ready(Ok(()))
     }
 
@@ -276,6 +333,7 @@ impl AsyncRead for ClientStream {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        ready!(this.poll_owed(cx));
         if let Some(fail) = this.pending.as_ref().map(|p| p.fail_reads) {
             ready!(this.drive_pending(cx));
             if fail {
@@ -339,10 +397,11 @@ impl AsyncWrite for ClientStream {
             // Whatever Pingora writes after (its empty body) is swallowed.
             return Poll::Ready(Ok(buf.len()));
         }
-        if !this.wbuf.is_empty() && this.wbuf.len() + buf.len() > WRITE_BUFFER {
+        let cap = this.cap();
+        if !this.wbuf.is_empty() && this.wbuf.len() + buf.len() > cap {
             ready!(this.drain_wbuf(cx))?;
         }
-        if buf.len() >= WRITE_BUFFER {
+        if buf.len() >= cap {
             return Pin::new(&mut this.inner).poll_write(cx, buf);
         }
         if this.wbuf.capacity() == 0 {
@@ -357,8 +416,59 @@ impl AsyncWrite for ClientStream {
         if this.pending.is_some() {
             ready!(this.drive_pending(cx));
         }
+        if this.hold.swap(false, Ordering::Relaxed) {
+            this.owed = true;
+            return Poll::Ready(Ok(()));
+        }
         ready!(this.drain_wbuf(cx))?;
-        Pin::new(&mut this.inner).poll_flush(cx)
+        let flushed = ready!(Pin::new(&mut this.inner).poll_flush(cx));
+        this.owed = false;
+        Poll::Ready(flushed)
+    }
+
+    /// Pingora writes a chunk as its size line, data and CRLF in one vectored call: held
+    /// together, or sent with what is held in one `writev` when they do not fit.
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        if this.in_header() || this.pending.is_some() {
+            let first = bufs.iter().find(|b| !b.is_empty()).map_or(&[][..], |b| b);
+            return Pin::new(this).poll_write(cx, first);
+        }
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        if this.wbuf.len() + total <= this.cap() {
+            if this.wbuf.capacity() == 0 {
+                this.wbuf.reserve_exact(WRITE_BUFFER);
+            }
+            for b in bufs {
+                this.wbuf.extend_from_slice(b);
+            }
+            return Poll::Ready(Ok(total));
+        }
+        while !this.wbuf.is_empty() {
+            let mut slices = [io::IoSlice::new(&[]); VECTOR];
+            slices[0] = io::IoSlice::new(&this.wbuf);
+            let n_bufs = bufs.len().min(VECTOR - 1);
+            slices[1..=n_bufs].copy_from_slice(&bufs[..n_bufs]);
+            let held = this.wbuf.len();
+            let n = ready!(Pin::new(&mut this.inner).poll_write_vectored(cx, &slices[..=n_bufs]))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            if n > held {
+                this.wbuf.clear();
+                return Poll::Ready(Ok(n - held));
+            }
+            this.wbuf.drain(..n);
+        }
+        Pin::new(&mut this.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -367,6 +477,7 @@ impl AsyncWrite for ClientStream {
             ready!(this.drive_pending(cx));
         }
         let _ = ready!(this.drain_wbuf(cx));
+        this.owed = false;
         Pin::new(&mut this.inner).poll_shutdown(cx)
     }
 }
@@ -404,6 +515,116 @@ crate::stream_wrap::forward_stream_traits!(ClientStream);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    /// A connected loopback pair: (our wrapper of the accepted side, in its body
+    /// phase; the client side).
+    async fn pair() -> (ClientStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (s, _) = l.accept().await.unwrap();
+        let s: pingora::protocols::l4::stream::Stream = s.into();
+        let cs = ClientStream::new(Box::new(s), Duration::from_secs(5));
+        cs.header_done();
+        (cs, c)
+    }
+
+    async fn nothing_to_read(s: &mut TcpStream) -> bool {
+        let mut b = [0u8; 64];
+        tokio::time::timeout(Duration::from_millis(50), s.read(&mut b))
+            .await
+            .is_err()
+    }
+
+    async fn read_n(s: &mut TcpStream, n: usize) -> Vec<u8> {
+        let mut b = vec![0u8; n];
+        s.read_exact(&mut b).await.unwrap();
+        b
+    }
+
+    #[tokio::test]
+    async fn a_held_flush_sends_nothing_and_the_next_flush_sends_both() {
+        let (mut cs, mut client) = pair().await;
+        cs.hold_next_flush();
+        cs.write_all(b"HTTP/1.1 200 OK\r\n\r\n").await.unwrap();
+        cs.flush().await.unwrap();
+        cs.release_flush();
+        assert!(nothing_to_read(&mut client).await, "the held flush sent");
+        cs.write_all(b"data").await.unwrap();
+        cs.flush().await.unwrap();
+        assert_eq!(
+            read_n(&mut client, 23).await,
+            b"HTTP/1.1 200 OK\r\n\r\ndata"
+        );
+        // Released: the next flush goes out again.
+        cs.write_all(b"more").await.unwrap();
+        cs.flush().await.unwrap();
+        assert_eq!(read_n(&mut client, 4).await, b"more");
+    }
+
+    #[tokio::test]
+    async fn a_release_without_a_flush_leaves_later_flushes_alone() {
+        let (mut cs, mut client) = pair().await;
+        cs.hold_next_flush();
+        cs.release_flush();
+        cs.write_all(b"header").await.unwrap();
+        cs.flush().await.unwrap();
+        assert_eq!(read_n(&mut client, 6).await, b"header");
+    }
+
+    #[tokio::test]
+    async fn what_a_skipped_flush_held_goes_out_at_the_next_read() {
+        let (mut cs, mut client) = pair().await;
+        cs.hold_next_flush();
+        cs.write_all(b"last").await.unwrap();
+        cs.flush().await.unwrap();
+        cs.release_flush();
+        // The connection waits for the client's next request: the held bytes go first.
+        let reader = tokio::spawn(async move {
+            let mut b = [0u8; 8];
+            let n = cs.read(&mut b).await.unwrap();
+            b[..n].to_vec()
+        });
+        assert_eq!(read_n(&mut client, 4).await, b"last");
+        client.write_all(b"next").await.unwrap();
+        assert_eq!(reader.await.unwrap(), b"next");
+    }
+
+    #[tokio::test]
+    async fn held_writes_grow_past_a_segment_and_vectored_writes_keep_order() {
+        let (mut cs, mut client) = pair().await;
+        let big = vec![b'x'; 3 * WRITE_BUFFER];
+        cs.write_all(b"head").await.unwrap();
+        // Past the segment size: what was held and the slices leave in order.
+        let bufs = [
+            io::IoSlice::new(b"5\r\n"),
+            io::IoSlice::new(&big),
+            io::IoSlice::new(b"\r\n"),
+        ];
+        let n = cs.write_vectored(&bufs).await.unwrap();
+        assert!(n > 0);
+        let mut want = b"head5\r\n".to_vec();
+        want.extend_from_slice(&big);
+        want.extend_from_slice(b"\r\n");
+        let mut rest = want.clone();
+        rest.drain(..4 + n);
+        cs.write_all(&rest).await.unwrap();
+        cs.flush().await.unwrap();
+        assert_eq!(read_n(&mut client, want.len()).await, want);
+        // While a flush is skipped, a body bigger than a segment is held with its end.
+        cs.hold_next_flush();
+        cs.write_all(&big).await.unwrap();
+        cs.flush().await.unwrap();
+        cs.write_all(b"0\r\n\r\n").await.unwrap();
+        cs.release_flush();
+        assert!(nothing_to_read(&mut client).await, "held bytes sent early");
+        cs.flush().await.unwrap();
+        let mut want = big.clone();
+        want.extend_from_slice(b"0\r\n\r\n");
+        assert_eq!(read_n(&mut client, want.len()).await, want);
+    }
 
     #[test]
     fn statuses_of_pingora_responses() {

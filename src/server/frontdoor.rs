@@ -272,13 +272,32 @@ fn prepared(mut session: ServerSession, limits: ClientLimits) -> ServerSession {
     session
 }
 
-/// The header guard of a session's connection, for the gateway's first hook.
-pub fn header_done(session: &ServerSession) {
-    if let Some(cs) = session
+/// The wrapper of a session's connection, when it is one of ours.
+fn client_stream(session: &ServerSession) -> Option<&ClientStream> {
+    session
         .stream()
         .and_then(|s| s.as_any().downcast_ref::<ClientStream>())
-    {
+}
+
+/// The header guard of a session's connection, for the gateway's first hook.
+pub fn header_done(session: &ServerSession) {
+    if let Some(cs) = client_stream(session) {
         cs.header_done();
+    }
+}
+
+/// Skips the connection's next flush, for a write call that flushes again before it
+/// returns ([`ClientStream::hold_next_flush`]); [`release_flush`] after the call.
+pub fn hold_next_flush(session: &ServerSession) {
+    if let Some(cs) = client_stream(session) {
+        cs.hold_next_flush();
+    }
+}
+
+/// Ends [`hold_next_flush`].
+pub fn release_flush(session: &ServerSession) {
+    if let Some(cs) = client_stream(session) {
+        cs.release_flush();
     }
 }
 
