@@ -36,7 +36,7 @@ start_sluice() {
   mkdir -p "$WORK/$n"
   local state=${SLUICE_STATE:-"{ path: \"$WORK/$n/state.redb\" }"}
   cat >"$WORK/$n.yaml" <<YAML
-server: { listen: "127.0.0.1:0", admin_listen: "127.0.0.1:0", threads: 2${SLUICE_SERVER_EXTRA:-} }
+server: { listen: "127.0.0.1:0", admin_listen: "127.0.0.1:0", threads: ${SLUICE_THREADS:-2}${SLUICE_SERVER_EXTRA:-} }
 admin: { token_env: SLUICE_ADMIN_TOKEN }
 state: $state
 rules_dir: "$WORK/$n/rules"

@@ -475,8 +475,9 @@ async fn commit(session: &mut Session, ctx: &mut RequestCtx, mut c: Committed) -
         .get("content-type")
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
     let end_now = c.first.is_none();
-    if !end_now {
+    if c.first.as_ref().is_some_and(|b| !b.is_empty()) {
         // The first chunk is in hand and is written next: it takes the header along.
+        // (An empty one writes nothing, so the header must not wait for it.)
         frontdoor::hold_next_flush(&session.downstream_session);
     }
     let written = session.write_response_header(Box::new(resp), end_now).await;
