@@ -149,7 +149,7 @@ impl Upstreams {
     /// else a new one.
     pub async fn session(&self, peer: &HttpPeer) -> pingora::Result<(HttpSession, bool)> {
         if super::transport::multiplexed(peer) {
-            return self.multiplexing.get_http_session(peer).await;
+            return Box::pin(self.multiplexing.get_http_session(peer)).await;
         }
         if let Some(stream) = self.take(peer.reuse_hash(), crate::clock::monotonic()) {
             return Ok((session(stream, peer), true));
@@ -159,11 +159,15 @@ impl Upstreams {
 
     /// A session on a new connection (the retry after a pooled one turned out closed:
     /// the upstream may have closed all its idle connections at once).
+    ///
+    /// Pingora's connect futures (TCP, TLS handshake, HTTP/2 setup) are boxed: inline,
+    /// they made every request's future ~19 KB larger, held for a stream's whole life,
+    /// although most requests take a pooled connection and never run them.
     pub async fn fresh(&self, peer: &HttpPeer) -> pingora::Result<HttpSession> {
         if super::transport::multiplexed(peer) {
-            return Ok(self.multiplexing.get_http_session(peer).await?.0);
+            return Ok(Box::pin(self.multiplexing.get_http_session(peer)).await?.0);
         }
-        let stream = self.transport.new_stream(peer).await?;
+        let stream = Box::pin(self.transport.new_stream(peer)).await?;
         Ok(session(Box::new(OneSend::new(stream)), peer))
     }
 

@@ -150,7 +150,9 @@ pub(super) async fn after(
             }
             Some(Plan::TryReset) => {
                 rounds.reset_tried = true;
-                match limit_reset(session, watch, call, p, conn, sub).await {
+                // Boxed: the probe is a whole upstream exchange of its own, rare, and
+                // inline it would enlarge every request's future by ~11 KB.
+                match Box::pin(limit_reset(session, watch, call, p, conn, sub)).await {
                     Reset::FullSpeed => return Then::Again(Duration::ZERO),
                     Reset::Gone => return Then::Gone,
                     Reset::No => {}
