@@ -30,7 +30,8 @@ start_mock() {
 # start_sluice [NAME] -> one model `bench` on the mock; sets SLUICE (client address) and
 # SLUICE_PID. NAME (default `sluice`) keeps the files of several gateways apart;
 # SLUICE_SERVER_EXTRA (", key: value, …") is appended to the `server:` mapping,
-# SLUICE_CONN_EXTRA to the connection's; SLUICE_STATE replaces the `state:` mapping.
+# SLUICE_CONN_EXTRA to the connection's; SLUICE_STATE replaces the `state:` mapping;
+# SLUICE_THREADS sets `server.threads` (default 2, this machine's core count).
 start_sluice() {
   local n=${1:-sluice}
   mkdir -p "$WORK/$n"
