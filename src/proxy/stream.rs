@@ -63,8 +63,11 @@ pub(super) async fn stream(
         peer,
         first,
         is_sse,
+        header,
         ..
     } = c;
+    // Sent already: not held for the stream's life.
+    drop(header);
     let Some(first) = first else {
         // Empty body: the header already ended the response.
         req.engine.upstreams.release(up, &peer, POOL_IDLE).await;

@@ -656,6 +656,49 @@ mod tests {
         assert_eq!(read_n(&mut client, want.len()).await, want);
     }
 
+    #[tokio::test]
+    async fn a_slow_reader_gets_every_byte_in_order_through_partial_vectored_sends() {
+        use bytes::Buf;
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut client = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (s, _) = l.accept().await.unwrap();
+        // Small socket buffers: the sends below are taken a few KiB at a time.
+        socket2::SockRef::from(&s)
+            .set_send_buffer_size(4096)
+            .unwrap();
+        s.set_nodelay(true).unwrap();
+        socket2::SockRef::from(&client)
+            .set_recv_buffer_size(4096)
+            .unwrap();
+        let s: pingora::protocols::l4::stream::Stream = s.into();
+        let mut cs = ClientStream::new(Box::new(s), Duration::from_secs(5));
+        cs.header_done();
+        let big: Vec<u8> = (0..50_000u32).map(|i| (i % 251) as u8).collect();
+        let size_line = format!("{:X}\r\n", big.len());
+        let mut want = b"HTTP/1.1 200 OK\r\n\r\n".to_vec();
+        want.extend_from_slice(size_line.as_bytes());
+        want.extend_from_slice(&big);
+        want.extend_from_slice(b"\r\n0\r\n\r\n");
+        let writer = tokio::spawn(async move {
+            cs.hold_next_flush();
+            cs.write_all(b"HTTP/1.1 200 OK\r\n\r\n").await.unwrap();
+            cs.flush().await.unwrap();
+            cs.release_flush();
+            let mut chunk = bytes::Bytes::from(size_line)
+                .chain(bytes::Bytes::from(big))
+                .chain(bytes::Bytes::from_static(b"\r\n"));
+            cs.write_all_buf(&mut chunk).await.unwrap();
+            cs.write_all(b"0\r\n\r\n").await.unwrap();
+            cs.flush().await.unwrap();
+            cs
+        });
+        assert_eq!(read_n(&mut client, want.len()).await, want);
+        tokio::time::timeout(Duration::from_secs(10), writer)
+            .await
+            .expect("the writer never finished")
+            .unwrap();
+    }
+
     #[test]
     fn statuses_of_pingora_responses() {
         assert_eq!(status_of(b"HTTP/1.1 400 Bad Request\r\n"), Some(400));
