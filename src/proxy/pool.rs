@@ -388,22 +388,15 @@ mod tests {
         UniqueID, UniqueIDType,
     };
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::{TcpListener, TcpStream};
+    use tokio::net::TcpStream;
+
+    use crate::stream_wrap::testing::{loopback, nothing_to_read};
 
     /// A connected loopback pair: (Pingora stream of the client side, server side).
     async fn pair() -> (Stream, TcpStream) {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let c = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
-        let (s, _) = l.accept().await.unwrap();
+        let (c, s) = loopback().await;
         let c: pingora::protocols::l4::stream::Stream = c.into();
         (Box::new(c), s)
-    }
-
-    async fn nothing_to_read(s: &mut TcpStream) -> bool {
-        let mut b = [0u8; 64];
-        tokio::time::timeout(Duration::from_millis(50), s.read(&mut b))
-            .await
-            .is_err()
     }
 
     #[tokio::test]

@@ -540,25 +540,22 @@ mod tests {
     use super::*;
 
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::{TcpListener, TcpStream};
+    use tokio::net::TcpStream;
+
+    use crate::stream_wrap::testing::{loopback, nothing_to_read};
 
     /// A connected loopback pair: (our wrapper of the accepted side, in its body
     /// phase; the client side).
     async fn pair() -> (ClientStream, TcpStream) {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let c = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
-        let (s, _) = l.accept().await.unwrap();
+        let (c, s) = loopback().await;
+        (wrap(s), c)
+    }
+
+    fn wrap(s: TcpStream) -> ClientStream {
         let s: pingora::protocols::l4::stream::Stream = s.into();
         let cs = ClientStream::new(Box::new(s), Duration::from_secs(5));
         cs.header_done();
-        (cs, c)
-    }
-
-    async fn nothing_to_read(s: &mut TcpStream) -> bool {
-        let mut b = [0u8; 64];
-        tokio::time::timeout(Duration::from_millis(50), s.read(&mut b))
-            .await
-            .is_err()
+        cs
     }
 
     async fn read_n(s: &mut TcpStream, n: usize) -> Vec<u8> {
@@ -659,9 +656,7 @@ mod tests {
     #[tokio::test]
     async fn a_slow_reader_gets_every_byte_in_order_through_partial_vectored_sends() {
         use bytes::Buf;
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let mut client = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
-        let (s, _) = l.accept().await.unwrap();
+        let (mut client, s) = loopback().await;
         // Small socket buffers: the sends below are taken a few KiB at a time.
         socket2::SockRef::from(&s)
             .set_send_buffer_size(4096)
@@ -670,9 +665,7 @@ mod tests {
         socket2::SockRef::from(&client)
             .set_recv_buffer_size(4096)
             .unwrap();
-        let s: pingora::protocols::l4::stream::Stream = s.into();
-        let mut cs = ClientStream::new(Box::new(s), Duration::from_secs(5));
-        cs.header_done();
+        let mut cs = wrap(s);
         let big: Vec<u8> = (0..50_000u32).map(|i| (i % 251) as u8).collect();
         let size_line = format!("{:X}\r\n", big.len());
         let mut want = b"HTTP/1.1 200 OK\r\n\r\n".to_vec();
