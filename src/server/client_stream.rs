@@ -22,9 +22,10 @@
 //! The gateway may skip one flush it knows another follows at once
 //! ([`ClientStream::hold_next_flush`]): Pingora flushes a chunked response's header and
 //! every chunk, so an SSE answer whose header, body and last chunk are all in hand would
-//! otherwise leave as three sends. Invariant: a skipped flush is never the last one —
-//! what it held goes out at the next flush, and at the latest when the connection is
-//! next read (the following request), shut down or dropped.
+//! otherwise leave as three sends. Invariant: a skipped flush is never the last one
+//! Pingora makes for a response (every response ends with a real flush), so what it
+//! held goes out with that flush; a read of the connection starts sending it too, and
+//! shutdown or drop send it. Bytes leave in the order they were written, ours included.
 //!
 //! The phase ends when the gateway's first hook calls [`ClientStream::header_done`]: the
 //! header parsed and the request is the gateway's from then on (the blank line alone
@@ -267,6 +268,8 @@ impl ClientStream {
 
     /// Writes what is pending; `Ready` once it is all out (or the socket broke).
     fn drive_pending(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        // Anything still held goes first (a broken socket fails the response anyway).
+        let _ = ready!(self.drain_wbuf(cx));
         while let Some(p) = self.pending.as_mut().filter(|p| p.at < p.bytes.len()) {
             match Pin::new(&mut self.inner).poll_write(cx, &p.bytes[p.at..]) {
                 Poll::Ready(Ok(n)) if n > 0 => p.at += n,
@@ -527,6 +530,7 @@ impl Shutdown for ClientStream {
             std::future::poll_fn(|cx| self.drive_pending(cx)).await;
         }
         let _ = std::future::poll_fn(|cx| self.drain_wbuf(cx)).await;
+        self.owed = false;
         self.inner.shutdown().await
     }
 }
