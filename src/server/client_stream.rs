@@ -161,6 +161,37 @@ impl ClientStream {
         }
     }
 
+    /// A write outside the header phase: held while it fits under [`Self::cap`], else
+    /// sent after what is held in one vectored send.
+    fn poll_write_body(
+        &mut self,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        if self.wbuf.len() + total <= self.cap() {
+            self.keep(bufs);
+            return Poll::Ready(Ok(total));
+        }
+        while !self.wbuf.is_empty() {
+            let mut slices = [io::IoSlice::new(&[]); VECTOR];
+            slices[0] = io::IoSlice::new(&self.wbuf);
+            let n_bufs = bufs.len().min(VECTOR - 1);
+            slices[1..=n_bufs].copy_from_slice(&bufs[..n_bufs]);
+            let held = self.wbuf.len();
+            let n = ready!(Pin::new(&mut self.inner).poll_write_vectored(cx, &slices[..=n_bufs]))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            if n > held {
+                self.wbuf.clear();
+                return Poll::Ready(Ok(n - held));
+            }
+            self.wbuf.drain(..n);
+        }
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
     /// Sends what a skipped flush held back (a no-op unless one was skipped). Pending
     /// while the socket takes no more, with the waker registered.
     fn poll_owed(&mut self, cx: &mut Context<'_>) -> Poll<()> {
@@ -427,15 +458,7 @@ impl AsyncWrite for ClientStream {
             // Whatever Pingora writes after (its empty body) is swallowed.
             return Poll::Ready(Ok(buf.len()));
         }
-        let cap = this.cap();
-        if !this.wbuf.is_empty() && this.wbuf.len() + buf.len() > cap {
-            ready!(this.drain_wbuf(cx))?;
-        }
-        if buf.len() >= cap {
-            return Pin::new(&mut this.inner).poll_write(cx, buf);
-        }
-        this.keep(&[buf]);
-        Poll::Ready(Ok(buf.len()))
+        this.poll_write_body(cx, &[io::IoSlice::new(buf)])
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -453,44 +476,21 @@ impl AsyncWrite for ClientStream {
         Poll::Ready(flushed)
     }
 
-    /// Pingora writes a chunk as its size line, data and CRLF in one vectored call: held
-    /// together, or sent with what is held in one `writev` when they do not fit.
+    /// Pingora writes a chunk as its size line, data and CRLF in one vectored call.
     fn poll_write_vectored(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
+        let Some(first) = bufs.iter().find(|b| !b.is_empty()) else {
+            return Poll::Ready(Ok(0));
+        };
         if this.in_header() || this.pending.is_some() {
             // Nothing of ours is written in the header phase: one slice at a time.
-            let first = bufs.iter().find(|b| !b.is_empty()).map_or(&[][..], |b| b);
             return Pin::new(this).poll_write(cx, first);
         }
-        let total: usize = bufs.iter().map(|b| b.len()).sum();
-        if total == 0 {
-            return Poll::Ready(Ok(0));
-        }
-        if this.wbuf.len() + total <= this.cap() {
-            this.keep(bufs);
-            return Poll::Ready(Ok(total));
-        }
-        while !this.wbuf.is_empty() {
-            let mut slices = [io::IoSlice::new(&[]); VECTOR];
-            slices[0] = io::IoSlice::new(&this.wbuf);
-            let n_bufs = bufs.len().min(VECTOR - 1);
-            slices[1..=n_bufs].copy_from_slice(&bufs[..n_bufs]);
-            let held = this.wbuf.len();
-            let n = ready!(Pin::new(&mut this.inner).poll_write_vectored(cx, &slices[..=n_bufs]))?;
-            if n == 0 {
-                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
-            }
-            if n > held {
-                this.wbuf.clear();
-                return Poll::Ready(Ok(n - held));
-            }
-            this.wbuf.drain(..n);
-        }
-        Pin::new(&mut this.inner).poll_write_vectored(cx, bufs)
+        this.poll_write_body(cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -694,6 +694,20 @@ mod tests {
             .await
             .expect("the writer never finished")
             .unwrap();
+    }
+
+    #[tokio::test]
+    async fn an_empty_vectored_write_in_the_header_phase_is_not_an_error_response() {
+        let (mut client, s) = loopback().await;
+        let s: pingora::protocols::l4::stream::Stream = s.into();
+        let mut cs = ClientStream::new(Box::new(s), Duration::from_secs(5));
+        let empty = [io::IoSlice::new(&[]), io::IoSlice::new(&[])];
+        assert_eq!(cs.write_vectored(&empty).await.unwrap(), 0);
+        cs.flush().await.unwrap();
+        assert!(
+            nothing_to_read(&mut client).await,
+            "an error response was sent"
+        );
     }
 
     #[test]
