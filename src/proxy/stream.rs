@@ -236,14 +236,11 @@ impl<'r, 'a> Pump<'r, 'a> {
         }
         // Pingora flushes the last data chunk, then writes and flushes the terminating
         // one: the first flush is skipped so both leave together.
-        let coalesce = held.as_ref().is_some_and(|b| !b.is_empty());
-        if coalesce {
+        if held.as_ref().is_some_and(|b| !b.is_empty()) {
             frontdoor::hold_next_flush(&session.downstream_session);
         }
         let written = session.write_response_body(held, true).await;
-        if coalesce {
-            frontdoor::release_flush(&session.downstream_session);
-        }
+        frontdoor::release_flush(&session.downstream_session);
         match written {
             Ok(()) => StreamEnd::Complete,
             Err(_) => cut(AbortReason::ClientGone),
