@@ -3,13 +3,17 @@
 1,000 concurrent SSE streams, gateway RSS <= 150 MB) and the chunk gaps the clients saw.
 
 Usage: streams.py HOST:PORT PID N   (talks plain HTTP/1.1 on loopback only)
+BENCH_BODY_KIB=K pads each request's message to about K KiB, as an agent's context would.
 """
 import asyncio
+import os
 import statistics
 import sys
 import time
 
-BODY = b'{"model":"bench","stream":true,"messages":[{"role":"user","content":"hi"}]}'
+PAD = "x" * (int(os.environ.get("BENCH_BODY_KIB", "0")) * 1024)
+BODY = ('{"model":"bench","stream":true,"messages":[{"role":"user","content":"hi%s"}]}'
+        % PAD).encode()
 
 
 def rss_mb(pid):

@@ -3,7 +3,7 @@
 # chunk gaps the clients saw, directly against the mock and through Sluice, for each
 # count in BENCH_STREAMS. The mock sends 20 chunks 500 ms apart, so the expected gap is
 # 500 ms; Sluice's added delay is its p99 gap minus the direct p99 gap in the same run.
-#   BENCH_STREAMS="1000 8000" ./bench/streams.sh
+#   BENCH_STREAMS="1000 8000" ./bench/streams.sh   (BENCH_BODY_KIB=64: agent-sized request bodies)
 # 8,000 streams hold 16,000 gateway sockets: the file limit must allow it (ulimit -n).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -96,16 +96,33 @@ async fn read_whole_body(session: &mut Session, limit: usize) -> Result<Bytes, C
                 ClientError::invalid_request(format!("cannot answer 100-continue: {e}"))
             })?;
     }
-    let mut buf = BytesMut::with_capacity(declared.unwrap_or(8 * 1024).min(limit));
+    // A body that arrives in one chunk (most do) is kept as Pingora handed it over: no
+    // second buffer, no copy. Only a second chunk starts the joined buffer.
+    let mut first: Option<Bytes> = None;
+    let mut buf = BytesMut::new();
     loop {
         match session.read_request_body().await {
             Ok(Some(chunk)) => {
-                if buf.len() + chunk.len() > limit {
+                let have = first.as_ref().map_or(buf.len(), Bytes::len);
+                if have + chunk.len() > limit {
                     return Err(too_large());
+                }
+                if have == 0 && first.is_none() {
+                    first = Some(chunk);
+                    continue;
+                }
+                if let Some(f) = first.take() {
+                    buf.reserve(
+                        declared
+                            .unwrap_or(8 * 1024)
+                            .min(limit)
+                            .max(have + chunk.len()),
+                    );
+                    buf.extend_from_slice(&f);
                 }
                 buf.extend_from_slice(&chunk);
             }
-            Ok(None) => return Ok(buf.freeze()),
+            Ok(None) => return Ok(first.unwrap_or_else(|| buf.freeze())),
             Err(e) if matches!(e.etype(), pingora::ErrorType::ReadTimedout) => {
                 return Err(ClientError::new(
                     ErrorCode::RequestTimeout,

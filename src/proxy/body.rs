@@ -68,6 +68,13 @@ impl ParsedBody {
         })
     }
 
+    /// Drops the body bytes (after commit: nothing sends them again). `model` and
+    /// `stream` stay.
+    pub fn release(&mut self) {
+        self.raw = Bytes::new();
+        self.model_span = (0, 0);
+    }
+
     /// The body with `model` replaced by `upstream_model` (JSON-escaped).
     pub fn with_model(&self, upstream_model: &str) -> Bytes {
         if upstream_model == self.model {
@@ -185,6 +192,17 @@ mod tests {
 
     fn parse(s: &str) -> Result<ParsedBody, String> {
         ParsedBody::parse(Bytes::from(s.to_string()))
+    }
+
+    #[test]
+    fn a_released_body_keeps_its_model_and_stream_flag_but_not_its_bytes() {
+        let mut b = parse(r#"{"model":"m","stream":true,"pad":"xxxxxxxx"}"#).unwrap();
+        let shared = b.raw.clone();
+        b.release();
+        assert!(b.raw.is_empty());
+        assert_eq!((b.model.as_str(), b.stream), ("m", true));
+        // Only the caller's clone is left holding the bytes.
+        assert!(shared.is_unique());
     }
 
     #[test]

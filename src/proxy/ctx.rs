@@ -14,8 +14,9 @@ use pingora::http::RequestHeader;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
-/// Everything one request's dispatch needs, pinned at admission.
-#[derive(Clone)]
+/// Everything one request's dispatch needs, pinned at admission. It owns the client's
+/// body, which only attempts read: a committed response drops its bytes
+/// ([`ParsedBody::release`]), so a long stream does not keep an agent's context.
 pub struct Request<'a> {
     pub engine: &'a Engine,
     pub snap: &'a Snapshot,
@@ -23,7 +24,7 @@ pub struct Request<'a> {
     pub route: Route,
     pub family: Family,
     pub client: Option<&'a Client>,
-    pub body: &'a ParsedBody,
+    pub body: ParsedBody,
     pub header: &'a RequestHeader,
     /// The exclusive lease the request presented (already checked by the fence).
     pub lease: Option<Lease>,

@@ -173,7 +173,7 @@ impl ProxyHttp for Gateway {
             route,
             family,
             client,
-            body: &a.body,
+            body: a.body,
             header: &header,
             lease: a.lease,
             pin_key: a.pin_key,

@@ -192,6 +192,10 @@ impl Driver<'_> {
         let inflight = Inflight::start(&self.req, pick);
         let mut probe = slot.probe;
         let (end, started) = self.attempt_rounds(session, pick, &mut probe, ctx).await;
+        if matches!(end, AttemptEnd::Committed(_)) {
+            // No attempt follows a commit: the client's body need not outlive its stream.
+            self.req.body.release();
+        }
         let info = info(&self.req, pick, started, probe, fsm.is_last_attempt());
         let settled = engine.settle(&info, outcome_of(&end)).await;
         if let Some(v) = &settled.verdict {
