@@ -136,11 +136,14 @@ impl ProxyHttp for Gateway {
         session: &mut Session,
         ctx: &mut RequestCtx,
     ) -> pingora::Result<bool> {
-        let (method, path) = {
+        let found = {
             let h = session.req_header();
-            (h.method.as_str().to_string(), h.uri.path().to_string())
+            Route::from_request(h.method.as_str(), h.uri.path())
         };
-        let Some(route) = Route::from_request(&method, &path) else {
+        let Some(route) = found else {
+            // Owned copies only on this path: the session is lent to the answer.
+            let h = session.req_header();
+            let (method, path) = (h.method.as_str().to_string(), h.uri.path().to_string());
             return self.no_route(session, ctx, &method, &path).await;
         };
         ctx.route = Some(route);
