@@ -97,7 +97,10 @@ async fn read_whole_body(session: &mut Session, limit: usize) -> Result<Bytes, C
             })?;
     }
     // A body that arrives in one chunk (most do) is kept as Pingora handed it over: no
-    // second buffer, no copy. Only a second chunk starts the joined buffer.
+    // second buffer, no copy. Only a second chunk starts the joined buffer. Pingora's
+    // HTTP/1 server copies each chunk out of its read buffer, so keeping one pins nothing
+    // else; an HTTP/2 front door would hand over slices of h2's shared read buffer, and
+    // would need the copy back.
     let mut first: Option<Bytes> = None;
     let mut buf = BytesMut::new();
     loop {

@@ -77,6 +77,7 @@ impl ParsedBody {
 
     /// The body with `model` replaced by `upstream_model` (JSON-escaped).
     pub fn with_model(&self, upstream_model: &str) -> Bytes {
+        debug_assert!(!self.raw.is_empty(), "a released body is never sent again");
         if upstream_model == self.model {
             return self.raw.clone();
         }
