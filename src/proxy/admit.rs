@@ -110,7 +110,7 @@ async fn read_whole_body(session: &mut Session, limit: usize) -> Result<Bytes, C
                 if have + chunk.len() > limit {
                     return Err(too_large());
                 }
-                if have == 0 && first.is_none() {
+                if first.is_none() && buf.is_empty() {
                     first = Some(chunk);
                     continue;
                 }
