@@ -388,9 +388,8 @@ pub fn run(
         source,
     })?;
 
-    let conf = Arc::new(server_conf(threads));
     let access = AccessLog::new(srv.access_log, logs);
-    let proxy = pingora::proxy::http_proxy(&conf, Gateway::new(engine.clone(), access));
+    let gateway = Gateway::new(engine.clone(), access);
     let limits = ClientLimits {
         header_timeout: srv.client_header_timeout,
         body_timeout: srv.client_body_timeout,
@@ -405,7 +404,7 @@ pub fn run(
     let client_svc = FrontDoor::new(
         "sluice-client",
         client_sock,
-        proxy,
+        gateway,
         limits,
         Some(threads),
         engine.lifecycle.clone(),

@@ -381,6 +381,19 @@ fn http_layer_errors_carry_the_family_json_body() {
     );
     assert!(r.starts_with("HTTP/1.1 400"), "{r}");
     assert_eq!(json_body(&r)["error"]["code"], "invalid_request");
+    // CONNECT (its framing is a tunnel's): 405 JSON, and the connection is not kept
+    let started = Instant::now();
+    let r = raw_exchange(
+        gw.client,
+        b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n",
+        Duration::from_secs(8),
+    );
+    assert!(r.starts_with("HTTP/1.1 405"), "{r}");
+    assert_eq!(json_body(&r)["error"]["code"], "method_not_allowed");
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "connection kept open after CONNECT"
+    );
     // a broken chunked body: 400 JSON and the connection is not kept
     let started = Instant::now();
     let r = raw_exchange(

@@ -13,7 +13,7 @@ use crate::error::ClientError;
 use crate::policy::affinity::{pin_key, session_key};
 use crate::policy::lease::{Lease, LeaseError};
 use bytes::{Bytes, BytesMut};
-use pingora::proxy::Session;
+use pingora::protocols::http::ServerSession;
 
 /// A request that passed admission.
 pub struct Admitted {
@@ -24,7 +24,7 @@ pub struct Admitted {
 }
 
 /// The client key from `Authorization: Bearer …` or `x-api-key`.
-fn presented_key(session: &Session) -> Option<String> {
+fn presented_key(session: &ServerSession) -> Option<String> {
     let h = &session.req_header().headers;
     if let Some(v) = h.get("authorization").and_then(|v| v.to_str().ok()) {
         let v = v.trim();
@@ -40,7 +40,7 @@ fn presented_key(session: &Session) -> Option<String> {
 /// The calling client: `None` on an open listener, 401 for a missing or unknown key.
 pub fn client<'s>(
     snap: &'s Snapshot,
-    session: &Session,
+    session: &ServerSession,
 ) -> Result<Option<&'s Client>, ClientError> {
     if snap.config.clients.is_none() {
         return Ok(None);
@@ -56,17 +56,17 @@ pub fn client<'s>(
 
 /// Reads the whole request body, at most `limit` bytes (413 beyond), answering
 /// `Expect: 100-continue` first.
-pub async fn read_body(session: &mut Session, limit: usize) -> Result<Bytes, ClientError> {
+pub async fn read_body(session: &mut ServerSession, limit: usize) -> Result<Bytes, ClientError> {
     let result = read_whole_body(session, limit).await;
     if result.is_err() {
         // The rest of the body is unread or unreadable: the connection cannot carry
         // another request.
-        session.downstream_session.set_keepalive(None);
+        session.set_keepalive(None);
     }
     result
 }
 
-async fn read_whole_body(session: &mut Session, limit: usize) -> Result<Bytes, ClientError> {
+async fn read_whole_body(session: &mut ServerSession, limit: usize) -> Result<Bytes, ClientError> {
     let too_large = || {
         ClientError::new(
             ErrorCode::BodyTooLarge,
@@ -88,13 +88,9 @@ async fn read_whole_body(session: &mut Session, limit: usize) -> Result<Bytes, C
         .get("expect")
         .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
     if expects_continue {
-        session
-            .downstream_session
-            .write_continue_response()
-            .await
-            .map_err(|e| {
-                ClientError::invalid_request(format!("cannot answer 100-continue: {e}"))
-            })?;
+        session.write_continue_response().await.map_err(|e| {
+            ClientError::invalid_request(format!("cannot answer 100-continue: {e}"))
+        })?;
     }
     // A body that arrives in one chunk (most do) is kept as Pingora handed it over: no
     // second buffer, no copy. Only a second chunk starts the joined buffer. Pingora's
@@ -146,7 +142,7 @@ async fn read_whole_body(session: &mut Session, limit: usize) -> Result<Bytes, C
 pub async fn admit(
     engine: &Engine,
     snap: &Snapshot,
-    session: &mut Session,
+    session: &mut ServerSession,
     family: Family,
     client: Option<&Client>,
 ) -> Result<Admitted, ClientError> {
@@ -183,7 +179,7 @@ pub async fn admit(
 /// active lease of this client key (SPEC §5.6).
 async fn lease_fence(
     engine: &Engine,
-    session: &Session,
+    session: &ServerSession,
     client: Option<&Client>,
 ) -> Result<Option<Lease>, ClientError> {
     let h = &session.req_header().headers;

@@ -25,7 +25,7 @@ use bytes::{Bytes, BytesMut};
 use pingora::http::ResponseHeader;
 use pingora::prelude::HttpPeer;
 use pingora::protocols::http::client::HttpSession;
-use pingora::proxy::Session;
+use pingora::protocols::http::ServerSession;
 use pingora::RetryType;
 use std::borrow::Cow;
 use std::time::{Duration, Instant};
@@ -146,7 +146,7 @@ impl Drop for Inflight {
 
 /// Runs one attempt up to its commit point.
 pub(super) async fn attempt(
-    session: &mut Session,
+    session: &mut ServerSession,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
     ctx: &mut RequestCtx,
@@ -157,7 +157,7 @@ pub(super) async fn attempt(
 }
 
 async fn phases(
-    session: &mut Session,
+    session: &mut ServerSession,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
     ctx: &mut RequestCtx,
@@ -201,7 +201,7 @@ async fn phases(
 /// select → connect: DNS (cached, async) and a pooled or new upstream connection
 /// (`true` when it came from the pool).
 async fn connect(
-    session: &mut Session,
+    session: &mut ServerSession,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
 ) -> Result<(HttpSession, HttpPeer, bool), AttemptEnd> {
@@ -252,7 +252,7 @@ fn session_of(
 /// Writes the request (model rewritten, credential set) and reads the response header,
 /// skipping 1xx, by `first_byte_by`.
 async fn send(
-    session: &mut Session,
+    session: &mut ServerSession,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
     up: &mut HttpSession,
@@ -350,7 +350,7 @@ fn header_bytes(h: &ResponseHeader) -> usize {
 
 /// Response-header phase of an error: read (bounded) and hold it, never commit it.
 async fn hold_error(
-    session: &mut Session,
+    session: &mut ServerSession,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
     mut up: HttpSession,
@@ -437,7 +437,7 @@ fn redacted(r: &Redactor, mut header: ResponseHeader, body: &[u8]) -> (ResponseH
 /// The first body chunk of a 2xx, before commit, so a silent upstream is still a
 /// failover. `None` when the body is empty.
 async fn first_chunk(
-    session: &mut Session,
+    session: &mut ServerSession,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
     up: &mut HttpSession,
@@ -460,7 +460,7 @@ async fn first_chunk(
 }
 
 /// The commit point: the response header goes to the client.
-async fn commit(session: &mut Session, ctx: &mut RequestCtx, mut c: Committed) -> AttemptEnd {
+async fn commit(session: &mut ServerSession, ctx: &mut RequestCtx, mut c: Committed) -> AttemptEnd {
     let chunked = upstream::client_takes_chunked(session);
     let Ok(resp) = upstream::response_header(&c.header, chunked, &ctx.sluice_headers()) else {
         return broken(
@@ -474,14 +474,13 @@ async fn commit(session: &mut Session, ctx: &mut RequestCtx, mut c: Committed) -
         .headers
         .get("content-type")
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-    let end_now = c.first.is_none();
     if c.first.as_ref().is_some_and(|b| !b.is_empty()) {
         // The first chunk is in hand and is written next: it takes the header along.
         // (An empty one writes nothing, so the header must not wait for it.)
-        frontdoor::hold_next_flush(&session.downstream_session);
+        frontdoor::hold_next_flush(session);
     }
-    let written = session.write_response_header(Box::new(resp), end_now).await;
-    frontdoor::release_flush(&session.downstream_session);
+    let written = session.write_response_header(Box::new(resp)).await;
+    frontdoor::release_flush(session);
     if written.is_err() {
         return AttemptEnd::ClientGone;
     }

@@ -32,7 +32,8 @@ pub struct Request<'a> {
     pub pin_key: Option<String>,
 }
 
-/// Per-request state, created by `new_ctx` and finished by `logging`.
+/// Per-request state, created once the request header is read and finished by
+/// `finish::record`.
 pub struct RequestCtx {
     pub started: Instant,
     pub route: Option<Route>,

@@ -1,5 +1,5 @@
-//! The finish phase (SPEC §2 step 6) as Pingora's `logging` hook runs it: exactly once
-//! per request, the request counters and latency histograms, then the access line.
+//! The finish phase (SPEC §2 step 6): exactly once per request, the request counters
+//! and latency histograms, then the access line.
 //!
 //! It only reads what the request left in its `RequestCtx` and the session; it never
 //! changes routing state (the pipeline records outcomes as attempts end), so a request
@@ -10,13 +10,13 @@ use super::access::{AccessLog, Entry};
 use super::routes::Route;
 use super::RequestCtx;
 use crate::engine::Engine;
-use pingora::proxy::Session;
+use pingora::protocols::http::ServerSession;
 
 /// Records `ctx`'s request in the metrics and writes its access line.
 pub fn record(
     engine: &Engine,
     log: &AccessLog,
-    session: &Session,
+    session: &ServerSession,
     e: Option<&pingora::Error>,
     ctx: &RequestCtx,
 ) {

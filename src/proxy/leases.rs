@@ -16,7 +16,7 @@ use crate::policy::lease::{Lease, LeaseError};
 use crate::policy::timefmt::format_rfc3339;
 use crate::policy::{retry_after_secs, Millis};
 use crate::store::StoreError;
-use pingora::proxy::Session;
+use pingora::protocols::http::ServerSession;
 use serde::Deserialize;
 use serde_json::json;
 use std::time::Duration;
@@ -68,10 +68,10 @@ fn lease_error(e: LeaseError, now: u64) -> ClientError {
 }
 
 async fn answer(
-    session: &mut Session,
+    session: &mut ServerSession,
     ctx: &mut RequestCtx,
     result: Result<serde_json::Value, ClientError>,
-) -> pingora::Result<bool> {
+) -> pingora::Result<()> {
     match result {
         Ok(v) => {
             ctx.status = 200;
@@ -90,16 +90,16 @@ async fn answer(
             respond::write_error(session, Family::OpenAi, &e, Vec::new()).await?;
         }
     }
-    Ok(true)
+    Ok(())
 }
 
 pub async fn handle(
     engine: &Engine,
     snap: &Snapshot,
-    session: &mut Session,
+    session: &mut ServerSession,
     client: Option<&Client>,
     ctx: &mut RequestCtx,
-) -> pingora::Result<bool> {
+) -> pingora::Result<()> {
     let result = run(engine, snap, session, client).await;
     answer(session, ctx, result).await
 }
@@ -107,7 +107,7 @@ pub async fn handle(
 async fn run(
     engine: &Engine,
     snap: &Snapshot,
-    session: &mut Session,
+    session: &mut ServerSession,
     client: Option<&Client>,
 ) -> Result<serde_json::Value, ClientError> {
     let client = client

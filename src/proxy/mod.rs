@@ -1,12 +1,16 @@
-//! Pingora glue for the client listener: the `ProxyHttp` implementation.
+//! Pingora glue for the client listener: the gateway is Pingora's `HttpServerApp`.
 //!
-//! `request_filter` is the admit phase (auth, size, JSON, model) and then hands the
-//! request to `pipeline`, which runs the attempts and writes a complete response — or
-//! asks for the client connection to be cut when a committed body failed, which
-//! `fail_to_proxy` then does without writing a byte — so `upstream_peer` is never
-//! reached. `logging` is the finish phase: it runs exactly once per request and records
-//! metrics and the access log line. Hooks stay thin; the decisions live in
-//! `policy::failover`, `engine` and `routing`.
+//! Each request of a client connection is one `process_new_http` call: the header is
+//! read (or the connection ends at shutdown), `answer` runs the admit phase (auth,
+//! size, JSON, model) and hands the request to `pipeline`, which runs the attempts and
+//! writes a complete response — or asks for the client connection to be cut when a
+//! committed body failed, which `failed` then does without writing a byte. The finish
+//! phase (`finish::record`) runs exactly once per request, whatever happened, and the
+//! connection is offered back for its next request only after a clean answer.
+//!
+//! The gateway answers every route itself, so it skips pingora-proxy's per-request
+//! session (cache, modules, the upstream proxy state machine) and its cost. Hooks stay
+//! thin; the decisions live in `policy::failover`, `engine` and `routing`.
 
 pub mod access;
 pub mod admit;
@@ -33,109 +37,87 @@ use crate::codes::ErrorCode;
 use crate::config::Family;
 use crate::engine::Engine;
 use crate::error::ClientError;
+use crate::server::frontdoor;
 use access::AccessLog;
 use async_trait::async_trait;
 use ctx::Request;
 pub use ctx::RequestCtx;
-use pingora::prelude::HttpPeer;
-use pingora::proxy::{FailToProxy, ProxyHttp, Session};
+use pingora::apps::{HttpPersistentSettings, HttpServerApp, ReusedHttpStream};
+use pingora::protocols::http::ServerSession;
+use pingora::server::ShutdownWatch;
 use routes::Route;
 use serde_json::json;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use tokio::sync::Notify;
 
 /// The client-facing gateway service.
 pub struct Gateway {
     pub engine: Arc<Engine>,
     access: AccessLog,
+    /// Set by `http_cleanup` (the server is shutting down): connections waiting for
+    /// their next request end instead.
+    closing: AtomicBool,
+    /// Wakes the connections waiting for their next request when `closing` is set.
+    wake: Notify,
 }
 
 impl Gateway {
     pub fn new(engine: Arc<Engine>, access: AccessLog) -> Self {
-        Self { engine, access }
+        Self {
+            engine,
+            access,
+            closing: AtomicBool::new(false),
+            wake: Notify::new(),
+        }
     }
 
-    async fn reject(
-        &self,
-        session: &mut Session,
-        ctx: &mut RequestCtx,
-        family: Family,
-        e: ClientError,
-    ) -> pingora::Result<bool> {
-        ctx.status = e.status();
-        ctx.note = Some(e.code.as_str());
-        respond::write_error(session, family, &e, Vec::new()).await?;
-        Ok(true)
+    /// Resolves once the server shuts down. The waiter is registered before the flag
+    /// is read, so a shutdown in between is not missed.
+    async fn until_closing(&self) {
+        let woken = self.wake.notified();
+        tokio::pin!(woken);
+        woken.as_mut().enable();
+        if !self.closing.load(Ordering::Acquire) {
+            woken.await;
+        }
     }
 
-    /// 405 (with `Allow`) for a route's path under another method, else 404.
-    async fn no_route(
-        &self,
-        session: &mut Session,
-        ctx: &mut RequestCtx,
-        method: &str,
-        path: &str,
-    ) -> pingora::Result<bool> {
-        let path = routes::normalize(path);
-        let Some(route) = Route::by_path(&path) else {
-            let e = ClientError::new(
-                ErrorCode::RouteNotFound,
-                format!("no route for {method} {path}"),
-            );
-            return self.reject(session, ctx, Family::OpenAi, e).await;
+    /// Reads the next request's header: false when there is none to answer (the client
+    /// closed, the server is shutting down, or the header was refused and answered).
+    async fn read_request(&self, session: &mut ServerSession) -> bool {
+        let read = tokio::select! {
+            // A request already buffered is answered, not dropped.
+            biased;
+            r = session.read_request() => r,
+            _ = self.until_closing() => return false,
         };
-        let e = ClientError::new(
-            ErrorCode::MethodNotAllowed,
-            format!("{path} takes {}, not {method}", route.method()),
-        );
-        ctx.status = e.status();
-        ctx.note = Some(e.code.as_str());
-        let allow = vec![("allow", route.method().to_string())];
-        respond::write_error(session, route.family(), &e, allow).await?;
-        Ok(true)
+        let refused = match read {
+            Ok(true) if session.req_header().method != http::Method::CONNECT => return true,
+            Ok(true) => 405,
+            Ok(false) => return false,
+            Err(e) if matches!(e.etype(), pingora::ErrorType::InvalidHTTPHeader) => 400,
+            Err(e) => {
+                // A cut by the connection's header guard, or a broken connection.
+                tracing::error!(error = %e, "client request not read; connection closed");
+                session.shutdown().await;
+                return false;
+            }
+        };
+        // Written before the gateway saw a request: the connection's wrapper turns it
+        // into the JSON error. CONNECT would change the message framing: not served.
+        let _ = session.respond_error(refused).await;
+        session.shutdown().await;
+        false
     }
 
-    async fn models(&self, session: &mut Session, ctx: &mut RequestCtx) -> pingora::Result<bool> {
-        let snap = self.engine.snapshot();
-        let data: Vec<_> = snap
-            .config
-            .models
-            .iter()
-            // Patterns are not model ids a client could list and pick.
-            .filter(|m| !m.is_pattern())
-            .map(|m| json!({"id": m.name, "object": "model", "created": 0, "owned_by": "sluice"}))
-            .collect();
-        let body = serde_json::to_vec(&json!({"object": "list", "data": data})).unwrap_or_default();
-        ctx.status = 200;
-        respond::write_local(session, 200, "application/json", &[], body).await?;
-        Ok(true)
-    }
-}
-
-#[async_trait]
-impl ProxyHttp for Gateway {
-    type CTX = RequestCtx;
-
-    fn new_ctx(&self) -> RequestCtx {
-        let mut ctx = RequestCtx::new(monotonic());
-        ctx.active = Some(self.engine.lifecycle.enter());
-        ctx
-    }
-
-    /// The header is in: the connection's header guard stands down for this request.
-    async fn early_request_filter(
+    /// Answers one request completely: a response written, or an error when the client
+    /// went away or the connection must be cut.
+    async fn answer(
         &self,
-        session: &mut Session,
-        _ctx: &mut RequestCtx,
-    ) -> pingora::Result<()> {
-        crate::server::frontdoor::header_done(&session.downstream_session);
-        Ok(())
-    }
-
-    async fn request_filter(
-        &self,
-        session: &mut Session,
+        session: &mut ServerSession,
         ctx: &mut RequestCtx,
-    ) -> pingora::Result<bool> {
+    ) -> pingora::Result<()> {
         let found = {
             let h = session.req_header();
             Route::from_request(h.method.as_str(), h.uri.path())
@@ -181,64 +163,121 @@ impl ProxyHttp for Gateway {
             lease: a.lease,
             pin_key: a.pin_key,
         };
-        pipeline::run(session, request, ctx).await?;
-        Ok(true)
+        pipeline::run(session, request, ctx).await
     }
 
-    async fn upstream_peer(
-        &self,
-        _session: &mut Session,
-        _ctx: &mut RequestCtx,
-    ) -> pingora::Result<Box<HttpPeer>> {
-        // Every route is answered in request_filter; reaching here is a bug.
-        pingora::Error::e_explain(
-            pingora::ErrorType::InternalError,
-            "sluice dispatches in request_filter",
-        )
-    }
-
-    /// A response already (partly) written is never followed by an error page: a cut
-    /// connection is dropped as it is, without a terminating chunk (SPEC §2 stream).
-    async fn fail_to_proxy(
-        &self,
-        session: &mut Session,
-        e: &pingora::Error,
-        ctx: &mut RequestCtx,
-    ) -> FailToProxy {
-        if ctx.cut || session.response_written().is_some() {
-            return FailToProxy {
-                error_code: 0,
-                can_reuse_downstream: false,
+    /// A request that ended in an error. A response already (partly) written is never
+    /// followed by an error page: a cut connection is dropped as it is, without a
+    /// terminating chunk (SPEC §2 stream). Otherwise Pingora's error page answers.
+    async fn failed(&self, session: &mut ServerSession, e: &pingora::Error, ctx: &RequestCtx) {
+        if ctx.cut {
+            // Deliberate: the access line records it.
+            return;
+        }
+        let code = if session.response_written().is_some() {
+            0
+        } else {
+            let code = match e.etype() {
+                pingora::ErrorType::HTTPStatus(code) => *code,
+                _ if e.esource() == &pingora::ErrorSource::Downstream => 400,
+                _ => 500,
             };
-        }
-        let code = match e.etype() {
-            pingora::ErrorType::HTTPStatus(code) => *code,
-            _ if e.esource() == &pingora::ErrorSource::Downstream => 400,
-            _ => 500,
+            let _ = session.respond_error(code).await;
+            code
         };
-        let _ = session.respond_error(code).await;
-        FailToProxy {
-            error_code: code,
-            can_reuse_downstream: false,
-        }
+        tracing::error!(error = %e, status = code, request = %session.request_summary(), "request failed");
     }
 
-    /// A deliberate cut is recorded in the access line, not logged as a proxy error.
-    fn suppress_error_log(
+    async fn reject(
         &self,
-        _session: &Session,
-        ctx: &RequestCtx,
-        _e: &pingora::Error,
-    ) -> bool {
-        ctx.cut
-    }
-
-    async fn logging(
-        &self,
-        session: &mut Session,
-        e: Option<&pingora::Error>,
+        session: &mut ServerSession,
         ctx: &mut RequestCtx,
-    ) {
-        finish::record(&self.engine, &self.access, session, e, ctx);
+        family: Family,
+        e: ClientError,
+    ) -> pingora::Result<()> {
+        ctx.status = e.status();
+        ctx.note = Some(e.code.as_str());
+        respond::write_error(session, family, &e, Vec::new()).await
+    }
+
+    /// 405 (with `Allow`) for a route's path under another method, else 404.
+    async fn no_route(
+        &self,
+        session: &mut ServerSession,
+        ctx: &mut RequestCtx,
+        method: &str,
+        path: &str,
+    ) -> pingora::Result<()> {
+        let path = routes::normalize(path);
+        let Some(route) = Route::by_path(&path) else {
+            let e = ClientError::new(
+                ErrorCode::RouteNotFound,
+                format!("no route for {method} {path}"),
+            );
+            return self.reject(session, ctx, Family::OpenAi, e).await;
+        };
+        let e = ClientError::new(
+            ErrorCode::MethodNotAllowed,
+            format!("{path} takes {}, not {method}", route.method()),
+        );
+        ctx.status = e.status();
+        ctx.note = Some(e.code.as_str());
+        let allow = vec![("allow", route.method().to_string())];
+        respond::write_error(session, route.family(), &e, allow).await
+    }
+
+    async fn models(
+        &self,
+        session: &mut ServerSession,
+        ctx: &mut RequestCtx,
+    ) -> pingora::Result<()> {
+        let snap = self.engine.snapshot();
+        let data: Vec<_> = snap
+            .config
+            .models
+            .iter()
+            // Patterns are not model ids a client could list and pick.
+            .filter(|m| !m.is_pattern())
+            .map(|m| json!({"id": m.name, "object": "model", "created": 0, "owned_by": "sluice"}))
+            .collect();
+        let body = serde_json::to_vec(&json!({"object": "list", "data": data})).unwrap_or_default();
+        ctx.status = 200;
+        respond::write_local(session, 200, "application/json", &[], body).await
+    }
+}
+
+#[async_trait]
+impl HttpServerApp for Gateway {
+    async fn process_new_http(
+        self: &Arc<Self>,
+        mut session: ServerSession,
+        shutdown: &ShutdownWatch,
+    ) -> Option<ReusedHttpStream> {
+        if !self.read_request(&mut session).await {
+            return None;
+        }
+        if *shutdown.borrow() {
+            session.set_keepalive(None);
+        }
+        let mut ctx = RequestCtx::new(monotonic());
+        ctx.active = Some(self.engine.lifecycle.enter());
+        // The header is in: the connection's header guard stands down for this request.
+        frontdoor::header_done(&session);
+        let error = self.answer(&mut session, &mut ctx).await.err();
+        if let Some(e) = &error {
+            self.failed(&mut session, e, &ctx).await;
+        }
+        finish::record(&self.engine, &self.access, &session, error.as_deref(), &ctx);
+        if error.is_some() {
+            return None;
+        }
+        let settings = HttpPersistentSettings::for_session(&session);
+        let reusable = session.finish().await.ok().flatten()?;
+        Some(ReusedHttpStream::from_reusable_stream(reusable, settings))
+    }
+
+    async fn http_cleanup(&self) {
+        self.closing.store(true, Ordering::Release);
+        self.wake.notify_waiters();
     }
 }

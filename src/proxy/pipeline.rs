@@ -29,14 +29,14 @@ use crate::engine::{Pick, Selection};
 use crate::policy::breaker::Permit;
 use crate::policy::failover::{Answer, Failover, Limits, Next, Offer, Queued, Refusal};
 use crate::policy::{ms, retry_after_secs, Millis};
-use pingora::proxy::Session;
+use pingora::protocols::http::ServerSession;
 use std::time::{Duration, Instant};
 
 /// Runs the request's attempts until one commits or the machine answers; leaves a
 /// complete response on `session`, or returns `Err` when the client connection must be
 /// cut (a committed body that failed).
 pub async fn run(
-    session: &mut Session,
+    session: &mut ServerSession,
     req: Request<'_>,
     ctx: &mut RequestCtx,
 ) -> pingora::Result<()> {
@@ -177,7 +177,7 @@ impl Driver<'_> {
 
     async fn attempt(
         &mut self,
-        session: &mut Session,
+        session: &mut ServerSession,
         fsm: &mut Failover,
         pick: Pick,
         ctx: &mut RequestCtx,
@@ -229,7 +229,7 @@ impl Driver<'_> {
     /// by another request) is not sent to again: the busy answer is settled instead.
     async fn attempt_rounds(
         &mut self,
-        session: &mut Session,
+        session: &mut ServerSession,
         pick: Pick,
         probe: &mut bool,
         ctx: &mut RequestCtx,
@@ -286,7 +286,7 @@ impl Driver<'_> {
 
     async fn queue(
         &mut self,
-        session: &mut Session,
+        session: &mut ServerSession,
         fsm: &mut Failover,
         until: Millis,
         fail_open: bool,
@@ -348,7 +348,7 @@ impl Driver<'_> {
         }
     }
 
-    async fn combo_wait(&mut self, session: &mut Session, until: Millis) -> Next {
+    async fn combo_wait(&mut self, session: &mut ServerSession, until: Millis) -> Next {
         let r = &self.req;
         let wait = Duration::from_millis(until.saturating_sub(r.engine.now()));
         tracing::info!(model = %r.snap.config.models[r.model].name, wait_ms = wait.as_millis() as u64, "combo wait");
@@ -369,7 +369,7 @@ impl Driver<'_> {
 
     async fn answer(
         &mut self,
-        session: &mut Session,
+        session: &mut ServerSession,
         answer: Answer,
         ctx: &mut RequestCtx,
     ) -> pingora::Result<()> {
@@ -403,7 +403,7 @@ impl Driver<'_> {
 
     async fn refuse(
         &self,
-        session: &mut Session,
+        session: &mut ServerSession,
         r: &Refusal,
         ctx: &mut RequestCtx,
     ) -> pingora::Result<()> {

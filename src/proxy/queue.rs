@@ -12,7 +12,7 @@ use super::watch::{ClientWatch, Wait};
 use crate::engine::permits::PermitGuard;
 use crate::engine::select::{self, Candidate};
 use futures::future::select_all;
-use pingora::proxy::Session;
+use pingora::protocols::http::ServerSession;
 use std::time::Duration;
 
 pub(super) enum Permitted {
@@ -27,7 +27,7 @@ pub(super) enum Permitted {
 
 /// Waits up to `limit` for the first free permit among `full`.
 pub(super) async fn wait_for_permit(
-    session: &mut Session,
+    session: &mut ServerSession,
     watch: &mut ClientWatch,
     req: &Request<'_>,
     full: &[Candidate],

@@ -16,7 +16,7 @@ use crate::policy::timefmt::format_rfc3339;
 use crate::policy::{client_retry_after, retry_after_secs};
 use bytes::Bytes;
 use pingora::http::ResponseHeader;
-use pingora::proxy::Session;
+use pingora::protocols::http::ServerSession;
 use serde_json::{json, Map, Value};
 
 /// The JSON body of `err` in `family`'s error shape.
@@ -46,7 +46,7 @@ pub fn error_body(family: Family, err: &ClientError) -> Vec<u8> {
 
 /// Writes a complete local response. `extra_headers` are added as given.
 pub async fn write_local(
-    session: &mut Session,
+    session: &mut ServerSession,
     status: u16,
     content_type: &str,
     extra_headers: &[(&'static str, String)],
@@ -58,16 +58,14 @@ pub async fn write_local(
     for (k, v) in extra_headers {
         h.insert_header(*k, v.as_str())?;
     }
-    session.write_response_header(Box::new(h), false).await?;
-    session
-        .write_response_body(Some(Bytes::from(body)), true)
-        .await?;
+    session.write_response_header(Box::new(h)).await?;
+    session.write_response_body(Bytes::from(body), true).await?;
     Ok(())
 }
 
 /// Writes `err` as a complete response in `family`'s shape.
 pub async fn write_error(
-    session: &mut Session,
+    session: &mut ServerSession,
     family: Family,
     err: &ClientError,
     mut extra_headers: Vec<(&'static str, String)>,
@@ -111,7 +109,7 @@ pub fn sse_error_event(route: Route, reason: AbortReason) -> Bytes {
 
 /// Writes `e` with the `x-sluice-*` headers, and notes it for the access log.
 pub async fn finish_error(
-    session: &mut Session,
+    session: &mut ServerSession,
     family: Family,
     e: ClientError,
     ctx: &mut RequestCtx,
@@ -193,7 +191,7 @@ pub fn refusal_error(
 /// Passes a held upstream error to the client: its headers and body, the restated
 /// status if a rule applied, and a normalised `Retry-After`.
 pub(super) async fn pass_through(
-    session: &mut Session,
+    session: &mut ServerSession,
     err: HeldError,
     v: &Verdict,
     ctx: &mut RequestCtx,
@@ -213,8 +211,8 @@ pub(super) async fn pass_through(
     if let Some(secs) = v.retry_after {
         h.insert_header("retry-after", secs.to_string())?;
     }
-    session.write_response_header(Box::new(h), false).await?;
-    session.write_response_body(Some(err.body), true).await?;
+    session.write_response_header(Box::new(h)).await?;
+    session.write_response_body(err.body, true).await?;
     Ok(())
 }
 

@@ -34,7 +34,7 @@ use crate::sse::{SseAssembler, SseEvent, SseProgress};
 use bytes::{Bytes, BytesMut};
 use futures::FutureExt;
 use pingora::protocols::http::client::HttpSession;
-use pingora::proxy::Session;
+use pingora::protocols::http::ServerSession;
 use std::time::Instant;
 
 /// A batch stops taking chunks once it holds this much (so at most this plus one chunk).
@@ -52,7 +52,7 @@ pub(super) enum StreamEnd {
 
 /// Streams the committed body to the client.
 pub(super) async fn stream(
-    session: &mut Session,
+    session: &mut ServerSession,
     watch: &mut ClientWatch,
     req: &Request<'_>,
     deadline: Instant,
@@ -108,7 +108,7 @@ impl<'r, 'a> Pump<'r, 'a> {
 
     async fn run(
         &mut self,
-        session: &mut Session,
+        session: &mut ServerSession,
         watch: &mut ClientWatch,
         up: &mut HttpSession,
         first: Bytes,
@@ -161,7 +161,7 @@ impl<'r, 'a> Pump<'r, 'a> {
     /// upstream's end or failure).
     async fn forward(
         &mut self,
-        session: &mut Session,
+        session: &mut ServerSession,
         up: &mut HttpSession,
         chunk: Bytes,
     ) -> Option<StreamEnd> {
@@ -193,7 +193,9 @@ impl<'r, 'a> Pump<'r, 'a> {
         };
         match ended {
             None => {
-                let written = session.write_response_body(batch.take(), false).await;
+                let written = session
+                    .write_response_body(batch.take().unwrap_or_default(), false)
+                    .await;
                 // A slow client's write time does not eat into the next stall window.
                 if progressed {
                     self.last_progress = monotonic();
@@ -229,7 +231,7 @@ impl<'r, 'a> Pump<'r, 'a> {
     }
 
     /// Ends the body as the upstream ended it, `held` written first.
-    async fn finish(&mut self, session: &mut Session, held: Option<Bytes>) -> StreamEnd {
+    async fn finish(&mut self, session: &mut ServerSession, held: Option<Bytes>) -> StreamEnd {
         if self.is_sse && self.boundary.is_mid_event() {
             // The upstream closed inside an event: not a complete stream.
             return self.fail(session, held, AbortReason::UpstreamError).await;
@@ -237,10 +239,12 @@ impl<'r, 'a> Pump<'r, 'a> {
         // Pingora flushes the last data chunk, then writes and flushes the terminating
         // one: the first flush is skipped so both leave together.
         if held.as_ref().is_some_and(|b| !b.is_empty()) {
-            frontdoor::hold_next_flush(&session.downstream_session);
+            frontdoor::hold_next_flush(session);
         }
-        let written = session.write_response_body(held, true).await;
-        frontdoor::release_flush(&session.downstream_session);
+        let written = session
+            .write_response_body(held.unwrap_or_default(), true)
+            .await;
+        frontdoor::release_flush(session);
         match written {
             Ok(()) => StreamEnd::Complete,
             Err(_) => cut(AbortReason::ClientGone),
@@ -252,14 +256,16 @@ impl<'r, 'a> Pump<'r, 'a> {
     /// end; any other body by a cut.
     async fn fail(
         &mut self,
-        session: &mut Session,
+        session: &mut ServerSession,
         held: Option<Bytes>,
         reason: AbortReason,
     ) -> StreamEnd {
         if !self.is_sse {
             // What passed the guards is still delivered; the cut comes after it.
             if held.is_some() {
-                let _ = session.write_response_body(held, false).await;
+                let _ = session
+                    .write_response_body(held.unwrap_or_default(), false)
+                    .await;
             }
             return cut(reason);
         }
@@ -267,10 +273,13 @@ impl<'r, 'a> Pump<'r, 'a> {
         tail.extend_from_slice(self.boundary.terminator());
         tail.extend_from_slice(&respond::sse_error_event(self.req.route, reason));
         let ended = session
-            .write_response_body(Some(Bytes::from(tail)), false)
+            .write_response_body(Bytes::from(tail), false)
             .await
             .is_ok()
-            && session.write_response_body(None, true).await.is_ok();
+            && session
+                .write_response_body(Bytes::new(), true)
+                .await
+                .is_ok();
         StreamEnd::Aborted {
             reason,
             cut: !ended,

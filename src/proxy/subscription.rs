@@ -24,7 +24,7 @@ use crate::policy::subscription::{
 use bytes::{Bytes, BytesMut};
 use pingora::http::RequestHeader;
 use pingora::prelude::HttpPeer;
-use pingora::proxy::Session;
+use pingora::protocols::http::ServerSession;
 use std::time::Duration;
 
 /// Resends of one request on its pick (walls, claims, lane waits) before its answer goes
@@ -55,7 +55,7 @@ pub(super) enum Then {
 
 /// The lane's reading of an attempt's end. `slow`: the attempt carried the slow header.
 pub(super) async fn after(
-    session: &mut Session,
+    session: &mut ServerSession,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
     end: &AttemptEnd,
@@ -180,7 +180,7 @@ enum Reset {
 
 /// The usage check and, when it offers one, the claim.
 async fn limit_reset(
-    session: &mut Session,
+    session: &mut ServerSession,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
     p: &Provider,
@@ -282,7 +282,7 @@ impl OAuth<'_, '_, '_> {
     /// One call whose 2xx body `parse` reads.
     async fn ask<T>(
         &self,
-        session: &mut Session,
+        session: &mut ServerSession,
         watch: &mut ClientWatch,
         method: &str,
         path: &str,
@@ -299,7 +299,7 @@ impl OAuth<'_, '_, '_> {
     /// One HTTP/1.1 call with the connection's token: (status, body).
     async fn send(
         &self,
-        session: &mut Session,
+        session: &mut ServerSession,
         watch: &mut ClientWatch,
         method: &str,
         path: &str,

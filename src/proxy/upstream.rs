@@ -111,8 +111,8 @@ fn host_header(url: &BaseUrl) -> String {
 }
 
 /// Whether the client's connection frames a body of unknown length as chunks.
-pub fn client_takes_chunked(session: &pingora::proxy::Session) -> bool {
-    !session.downstream_session.is_http2() && session.req_header().version == http::Version::HTTP_11
+pub fn client_takes_chunked(session: &pingora::protocols::http::ServerSession) -> bool {
+    !session.is_http2() && session.req_header().version == http::Version::HTTP_11
 }
 
 /// The client-facing copy of an upstream response header. `chunked`: the client speaks

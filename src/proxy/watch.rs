@@ -8,7 +8,7 @@
 //! client sends meanwhile (a pipelined request) stop the watching rather than being
 //! taken for a disconnect, and are left for Pingora to read.
 
-use pingora::proxy::Session;
+use pingora::protocols::http::ServerSession;
 use std::future::Future;
 use std::time::Duration;
 
@@ -34,7 +34,7 @@ impl ClientWatch {
     /// Runs `fut` for at most `limit`, watching the client connection meanwhile.
     pub async fn race<F: Future>(
         &mut self,
-        session: &mut Session,
+        session: &mut ServerSession,
         limit: Duration,
         fut: F,
     ) -> Wait<F::Output> {
@@ -46,7 +46,7 @@ impl ClientWatch {
                 biased;
                 out = &mut fut => return Wait::Ready(out),
                 _ = &mut sleep => return Wait::TimedOut,
-                r = session.downstream_session.read_body_or_idle(true), if self.watching => match r {
+                r = session.read_body_or_idle(true), if self.watching => match r {
                     Err(_) => return Wait::ClientGone,
                     // Unexpected bytes (e.g. a pipelined request): stop probing, keep going.
                     Ok(_) => self.watching = false,
@@ -56,7 +56,7 @@ impl ClientWatch {
     }
 
     /// Sleeps `d` unless the client leaves first; false if it left.
-    pub async fn sleep(&mut self, session: &mut Session, d: Duration) -> bool {
+    pub async fn sleep(&mut self, session: &mut ServerSession, d: Duration) -> bool {
         !matches!(
             self.race(session, d, std::future::pending::<()>()).await,
             Wait::ClientGone
