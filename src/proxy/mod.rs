@@ -6,11 +6,12 @@
 //! writes a complete response — or asks for the client connection to be cut when a
 //! committed body failed, which `failed` then does without writing a byte. The finish
 //! phase (`finish::record`) runs exactly once per request, whatever happened, and the
-//! connection is offered back for its next request only after a clean answer.
+//! connection is offered back for its next request only after a clean answer. A
+//! connection waiting for its next request ends when the server shuts down.
 //!
 //! The gateway answers every route itself, so it skips pingora-proxy's per-request
-//! session (cache, modules, the upstream proxy state machine) and its cost. Hooks stay
-//! thin; the decisions live in `policy::failover`, `engine` and `routing`.
+//! session (cache, modules, the upstream proxy state machine) and its cost. The glue
+//! stays thin; the decisions live in `policy::failover`, `engine` and `routing`.
 
 pub mod access;
 pub mod admit;
@@ -47,50 +48,36 @@ use pingora::protocols::http::ServerSession;
 use pingora::server::ShutdownWatch;
 use routes::Route;
 use serde_json::json;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use tokio::sync::Notify;
 
 /// The client-facing gateway service.
 pub struct Gateway {
     pub engine: Arc<Engine>,
     access: AccessLog,
-    /// Set by `http_cleanup` (the server is shutting down): connections waiting for
-    /// their next request end instead.
-    closing: AtomicBool,
-    /// Wakes the connections waiting for their next request when `closing` is set.
-    wake: Notify,
+}
+
+/// Resolves once the server shuts down (never, if its watch is gone). The watch's
+/// waiters are sharded by tokio, so connections waiting on it do not share one lock.
+async fn until_shutdown(shutdown: &ShutdownWatch) {
+    let mut stopping = shutdown.clone();
+    if stopping.wait_for(|s| *s).await.is_err() {
+        std::future::pending::<()>().await;
+    }
 }
 
 impl Gateway {
     pub fn new(engine: Arc<Engine>, access: AccessLog) -> Self {
-        Self {
-            engine,
-            access,
-            closing: AtomicBool::new(false),
-            wake: Notify::new(),
-        }
-    }
-
-    /// Resolves once the server shuts down. The waiter is registered before the flag
-    /// is read, so a shutdown in between is not missed.
-    async fn until_closing(&self) {
-        let woken = self.wake.notified();
-        tokio::pin!(woken);
-        woken.as_mut().enable();
-        if !self.closing.load(Ordering::Acquire) {
-            woken.await;
-        }
+        Self { engine, access }
     }
 
     /// Reads the next request's header: false when there is none to answer (the client
     /// closed, the server is shutting down, or the header was refused and answered).
-    async fn read_request(&self, session: &mut ServerSession) -> bool {
+    async fn read_request(&self, session: &mut ServerSession, shutdown: &ShutdownWatch) -> bool {
         let read = tokio::select! {
             // A request already buffered is answered, not dropped.
             biased;
             r = session.read_request() => r,
-            _ = self.until_closing() => return false,
+            _ = until_shutdown(shutdown) => return false,
         };
         let refused = match read {
             Ok(true) if session.req_header().method != http::Method::CONNECT => return true,
@@ -253,7 +240,7 @@ impl HttpServerApp for Gateway {
         mut session: ServerSession,
         shutdown: &ShutdownWatch,
     ) -> Option<ReusedHttpStream> {
-        if !self.read_request(&mut session).await {
+        if !self.read_request(&mut session, shutdown).await {
             return None;
         }
         if *shutdown.borrow() {
@@ -269,15 +256,13 @@ impl HttpServerApp for Gateway {
         }
         finish::record(&self.engine, &self.access, &session, error.as_deref(), &ctx);
         if error.is_some() {
+            // The connection closes before the request stops counting as in flight.
+            drop(session);
+            drop(ctx);
             return None;
         }
         let settings = HttpPersistentSettings::for_session(&session);
         let reusable = session.finish().await.ok().flatten()?;
         Some(ReusedHttpStream::from_reusable_stream(reusable, settings))
-    }
-
-    async fn http_cleanup(&self) {
-        self.closing.store(true, Ordering::Release);
-        self.wake.notify_waiters();
     }
 }

@@ -9,7 +9,7 @@
 //! starts and bounds every step; nothing reaches the client before the commit point,
 //! after it nothing fails over; a breaker probe or permit taken for an attempt that
 //! never ran is given back; a body that fails after commit is cut, never completed
-//! (`Err` to Pingora, which then drops the connection).
+//! (`Err` to `Gateway::failed`, which then drops the connection).
 
 use super::attempt::{attempt, AttemptEnd, Call, HeldError, Inflight};
 use super::ctx::{AttemptRecord, Request, RequestCtx};
@@ -506,7 +506,7 @@ fn outcome_of(end: &AttemptEnd) -> AttemptOutcome<'_> {
     }
 }
 
-/// How a committed stream's end is settled and reported to Pingora.
+/// How a committed stream's end is settled and reported to the gateway.
 fn stream_ended(
     engine: &crate::engine::Engine,
     info: &AttemptInfo<'_>,

@@ -10,8 +10,8 @@
 //! - a size limit ([`MAX_HEADER_BYTES`]): past it the client gets a 431 with the JSON
 //!   error body and the connection closes;
 //! - JSON error bodies: anything written during the header phase can only be Pingora's
-//!   own error response (a malformed header, a CONNECT), since the gateway has not seen
-//!   the request yet; it is replaced by the same status with a JSON error body and
+//!   own error page, which the gateway writes for a header it refuses (a malformed
+//!   header, a CONNECT) before it has seen a request; it is replaced by the same status with a JSON error body and
 //!   `Connection: close`.
 //!
 //! Outside the header phase it coalesces small writes (up to [`WRITE_BUFFER`] bytes,
@@ -27,7 +27,8 @@
 //! held goes out with that flush; a read of the connection starts sending it too, and
 //! shutdown or drop send it. Bytes leave in the order they were written, ours included.
 //!
-//! The phase ends when the gateway's first hook calls [`ClientStream::header_done`]: the
+//! The phase ends when the gateway, having read the header, calls
+//! [`ClientStream::header_done`]: the
 //! header parsed and the request is the gateway's from then on (the blank line alone
 //! does not end it, because Pingora may still answer a header it cannot parse). The
 //! connection loop re-arms it before every request. Outside the header phase the
@@ -71,7 +72,7 @@ pub const MAX_HEADER_BYTES: usize = 64 * 1024;
 pub struct ClientStream {
     inner: Stream,
     header_timeout: Duration,
-    /// [`BODY`], [`HEADER`] or [`NEXT`]; shared with the hooks, which only hold `&`.
+    /// [`BODY`], [`HEADER`] or [`NEXT`]; shared with the gateway, which only holds `&`.
     phase: AtomicU8,
     /// The header phase's deadline, once it started.
     deadline: Option<Instant>,
@@ -87,7 +88,7 @@ pub struct ClientStream {
     pending: Option<Pending>,
     /// Coalesced writes not yet sent.
     wbuf: Vec<u8>,
-    /// The next flush is to be skipped (set and cleared by the hooks, which hold `&`).
+    /// The next flush is to be skipped (set and cleared by the gateway, which holds `&`).
     hold: AtomicBool,
     /// A flush was skipped and none has happened since.
     owed: bool,

@@ -13,10 +13,10 @@
 //! - pipelined requests are answered in order (Pingora's HTTP/1 pipelining is on).
 //!
 //! The HTTP work itself stays Pingora's: each request is one
-//! `HttpServerApp::process_new_http` call on the proxy, exactly as Pingora's own
+//! `HttpServerApp::process_new_http` call on the gateway, exactly as Pingora's own
 //! listening service would make it; only the socket wrapper and the session settings
-//! are ours, and at shutdown the proxy's cleanup wakes idle sessions as Pingora's
-//! service would. The listening socket is bound with Pingora's backlog (65,535) and
+//! are ours, and at shutdown the app's `http_cleanup` runs as Pingora's service would
+//! run it. The listening socket is bound with Pingora's backlog (65,535) and
 //! listed in the server's fd table.
 
 use super::client_stream::ClientStream;
@@ -205,11 +205,12 @@ impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
         // Accept nothing more: an upgrade's successor holds its own copy of the socket.
         drop(listener);
         drop(looping);
-        // Pingora's own service now wakes the sessions idling between requests
-        // (`http_cleanup`), but that also drops a connection whose request header is
-        // still arriving. So only once the server itself shuts down (after the drain):
-        // until then an idle kept-alive connection may bring one more request, answered
-        // with `Connection: close`.
+        // Sessions idling between requests end only once the server itself shuts down
+        // (after the drain), as they wait on the shutdown watch: ending them at the
+        // drain would also drop a connection whose request header is still arriving.
+        // Until then an idle kept-alive connection may bring one more request, answered
+        // with `Connection: close`. The app's own cleanup runs now, as Pingora's
+        // service would run it.
         shutting_down(&mut shutdown).await;
         self.app.http_cleanup().await;
     }
@@ -279,7 +280,7 @@ fn client_stream(session: &ServerSession) -> Option<&ClientStream> {
         .and_then(|s| s.as_any().downcast_ref::<ClientStream>())
 }
 
-/// The header guard of a session's connection, for the gateway's first hook.
+/// The header guard of a session's connection: the gateway read the request header.
 pub fn header_done(session: &ServerSession) {
     if let Some(cs) = client_stream(session) {
         cs.header_done();

@@ -34,7 +34,7 @@ impl Default for Lifecycle {
     }
 }
 
-/// Held by a request from its first hook to its finish phase.
+/// Held by a request from the moment its header is read to its finish phase.
 pub struct Active(Arc<Lifecycle>);
 
 impl Drop for Active {
