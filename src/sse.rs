@@ -39,7 +39,7 @@ impl SseProgress {
             rest = rest.strip_prefix(b"\n").unwrap_or(rest);
             self.after_cr = false;
         }
-        while let Some(end) = rest.iter().position(|b| *b == b'\n' || *b == b'\r') {
+        while let Some(end) = memchr::memchr2(b'\n', b'\r', rest) {
             let (line, tail) = rest.split_at(end);
             rest = &tail[1..];
             if tail[0] == b'\r' {

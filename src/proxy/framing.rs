@@ -18,23 +18,28 @@ pub struct EventBoundary {
 }
 
 impl EventBoundary {
-    /// Follows the bytes that were sent to the client.
+    /// Follows the bytes that were sent to the client. It jumps from line end to line
+    /// end: a run of other bytes only matters by its first byte.
     pub fn feed(&mut self, chunk: &[u8]) {
-        for &b in chunk {
-            match b {
+        let mut rest = chunk;
+        while let Some(&first) = rest.first() {
+            let end = memchr::memchr2(b'\n', b'\r', rest);
+            if first != b'\n' && first != b'\r' {
+                self.after_cr = false;
+                if !self.mid_line {
+                    self.mid_line = true;
+                    self.comment = first == b':';
+                }
+            }
+            let Some(i) = end else { return };
+            match rest[i] {
                 b'\n' if self.after_cr => self.after_cr = false,
-                b'\n' | b'\r' => {
+                b => {
                     self.after_cr = b == b'\r';
                     self.line_end();
                 }
-                _ => {
-                    self.after_cr = false;
-                    if !self.mid_line {
-                        self.mid_line = true;
-                        self.comment = b == b':';
-                    }
-                }
             }
+            rest = &rest[i + 1..];
         }
     }
 
@@ -81,6 +86,55 @@ mod tests {
 
     /// Chunks fed, the terminator expected, and whether that is mid-event.
     type Row = (&'static [&'static [u8]], &'static [u8], bool);
+
+    /// The byte-at-a-time reading `feed` must agree with.
+    fn feed_bytewise(t: &mut EventBoundary, chunk: &[u8]) {
+        for &b in chunk {
+            match b {
+                b'\n' if t.after_cr => t.after_cr = false,
+                b'\n' | b'\r' => {
+                    t.after_cr = b == b'\r';
+                    t.line_end();
+                }
+                _ => {
+                    t.after_cr = false;
+                    if !t.mid_line {
+                        t.mid_line = true;
+                        t.comment = b == b':';
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn line_end_jumps_agree_with_a_byte_at_a_time_reading() {
+        // Streams over an alphabet of line ends, colons and text, split at every point.
+        let alphabet = b"\n\r:ad ";
+        let mut seed = 0x9e37_79b9_u32;
+        for _ in 0..400 {
+            let len = (seed % 24) as usize;
+            let stream: Vec<u8> = (0..len)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 17;
+                    seed ^= seed << 5;
+                    alphabet[(seed % alphabet.len() as u32) as usize]
+                })
+                .collect();
+            for cut in 0..=stream.len() {
+                let (a, b) = stream.split_at(cut);
+                let mut fast = EventBoundary::default();
+                let mut slow = EventBoundary::default();
+                fast.feed(a);
+                fast.feed(b);
+                feed_bytewise(&mut slow, a);
+                feed_bytewise(&mut slow, b);
+                assert_eq!(fast, slow, "{stream:?} cut at {cut}");
+            }
+            seed = seed.wrapping_mul(747_796_405).wrapping_add(1);
+        }
+    }
 
     #[test]
     fn terminators_by_position() {

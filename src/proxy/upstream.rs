@@ -8,6 +8,7 @@
 use crate::config::{BaseUrl, Connection, Family, Provider, ProviderClass};
 use crate::policy::subscription;
 use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::OrErr;
 
 /// Request headers never forwarded upstream (lower-case).
 const STRIP_REQUEST: &[&str] = &[
@@ -61,17 +62,11 @@ pub fn request_header(
         Some(q) => format!("{}{path}?{q}", provider.base_url.path_prefix),
         None => format!("{}{path}", provider.base_url.path_prefix),
     };
-    let mut req = RequestHeader::build(
-        client.method.clone(),
-        path.as_bytes(),
-        Some(client.headers.len() + 4),
-    )?;
-    for (name, value) in client.headers.iter() {
-        if STRIP_REQUEST.contains(&name.as_str()) {
-            continue;
-        }
-        req.append_header(name.clone(), value.clone())?;
-    }
+    let mut parts = http::Request::new(()).into_parts().0;
+    parts.method = client.method.clone();
+    parts.headers = forwarded(&client.headers, STRIP_REQUEST, 4)?;
+    let mut req = RequestHeader::from(parts);
+    req.set_raw_path(path.as_bytes())?;
     req.insert_header("host", host_header(&provider.base_url))?;
     req.insert_header("content-length", body_len)?;
     if let Some(key) = &connection.key {
@@ -106,6 +101,28 @@ pub fn request_header(
     Ok(req)
 }
 
+/// The headers of `from` not named in `strip`, with room for `extra` more. Names are
+/// copied as parsed, without Pingora's per-header case map: on the wire they read as
+/// Pingora would write them from a map (its title case for common names, else lower
+/// case), which is what the case map held for names taken from a parsed header.
+fn forwarded(
+    from: &http::HeaderMap,
+    strip: &[&str],
+    extra: usize,
+) -> pingora::Result<http::HeaderMap> {
+    let mut to = http::HeaderMap::new();
+    to.try_reserve(from.len() + extra)
+        .or_err(pingora::ErrorType::InvalidHTTPHeader, "too many headers")?;
+    for (name, value) in from.iter() {
+        if strip.contains(&name.as_str()) {
+            continue;
+        }
+        to.try_append(name.clone(), value.clone())
+            .or_err(pingora::ErrorType::InvalidHTTPHeader, "too many headers")?;
+    }
+    Ok(to)
+}
+
 fn host_header(url: &BaseUrl) -> String {
     url.authority()
 }
@@ -124,14 +141,10 @@ pub fn response_header(
     chunked: bool,
     sluice: &[(&'static str, String)],
 ) -> pingora::Result<ResponseHeader> {
-    let mut resp =
-        ResponseHeader::build(upstream.status, Some(upstream.headers.len() + sluice.len()))?;
-    for (name, value) in upstream.headers.iter() {
-        if STRIP_RESPONSE.contains(&name.as_str()) {
-            continue;
-        }
-        resp.append_header(name.clone(), value.clone())?;
-    }
+    let mut parts = http::Response::new(()).into_parts().0;
+    parts.status = upstream.status;
+    parts.headers = forwarded(&upstream.headers, STRIP_RESPONSE, sluice.len() + 1)?;
+    let mut resp = ResponseHeader::from(parts);
     if chunked
         && resp.headers.get("content-length").is_none()
         && !matches!(upstream.status.as_u16(), 204 | 304)
@@ -265,5 +278,40 @@ mod tests {
             r.headers["anthropic-beta"],
             "interleaved-thinking-2025-05-14,files-api-2025-04-14,oauth-2025-04-20"
         );
+    }
+    fn wire(h: &ResponseHeader) -> String {
+        let mut out = Vec::new();
+        h.header_to_h1_wire(&mut out);
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn a_response_header_keeps_order_and_repeats_and_loses_hop_by_hop_headers() {
+        let mut up = ResponseHeader::build(201, None).unwrap();
+        for (k, v) in [
+            ("Content-Type", "application/json"),
+            ("Set-Cookie", "a=1"),
+            ("Connection", "keep-alive"),
+            ("X-Request-Id", "r1"),
+            ("Set-Cookie", "b=2"),
+            ("Transfer-Encoding", "chunked"),
+        ] {
+            up.append_header(k, v).unwrap();
+        }
+        let sluice = [("x-sluice-attempts", "1".to_string())];
+        let r = response_header(&up, true, &sluice).unwrap();
+        assert_eq!(r.status.as_u16(), 201);
+        assert_eq!(
+            wire(&r),
+            "Content-Type: application/json\r\nSet-Cookie: a=1\r\nSet-Cookie: b=2\r\n\
+             x-request-id: r1\r\nTransfer-Encoding: chunked\r\nx-sluice-attempts: 1\r\n"
+        );
+        // A framed body keeps its length, and an HTTP/1.0 client gets no chunking.
+        let mut up = ResponseHeader::build(200, None).unwrap();
+        up.append_header("Content-Length", "2").unwrap();
+        let r = response_header(&up, true, &[]).unwrap();
+        assert_eq!(wire(&r), "Content-Length: 2\r\n");
+        let r = response_header(&ResponseHeader::build(200, None).unwrap(), false, &[]).unwrap();
+        assert_eq!(wire(&r), "");
     }
 }
