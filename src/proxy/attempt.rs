@@ -462,7 +462,7 @@ async fn first_chunk(
 /// The commit point: the response header goes to the client.
 async fn commit(session: &mut ServerSession, ctx: &mut RequestCtx, mut c: Committed) -> AttemptEnd {
     let chunked = upstream::client_takes_chunked(session);
-    let Ok(resp) = upstream::response_header(&c.header, chunked, &ctx.sluice_headers()) else {
+    let Ok(resp) = upstream::response_header(&c.header, chunked, ctx.sluice_headers()) else {
         return broken(
             TransportKind::Reset,
             Cause::Reset,

@@ -12,6 +12,7 @@ use crate::engine::{Engine, Snapshot};
 use crate::policy::lease::Lease;
 use pingora::http::RequestHeader;
 use serde_json::{json, Value};
+use std::borrow::Cow;
 use std::time::{Duration, Instant};
 
 /// Everything one request's dispatch needs, pinned at admission. It owns the client's
@@ -37,8 +38,8 @@ pub struct Request<'a> {
 pub struct RequestCtx {
     pub started: Instant,
     pub route: Option<Route>,
-    /// Configured model name, or `unknown` (bounded label).
-    pub model_label: String,
+    /// Configured model name, or `unknown` (bounded label; no allocation until known).
+    pub model_label: Cow<'static, str>,
     pub client_id: Option<String>,
     pub status: u16,
     pub attempts: u32,
@@ -60,7 +61,7 @@ impl RequestCtx {
         RequestCtx {
             started,
             route: None,
-            model_label: "unknown".into(),
+            model_label: Cow::Borrowed("unknown"),
             client_id: None,
             status: 0,
             attempts: 0,

@@ -30,20 +30,16 @@ pub fn record(
     };
     let mut code = [0u8; 3];
     m.requests_total
-        .with_label_values(&[
-            route,
-            ctx.model_label.as_str(),
-            status_label(status, &mut code),
-        ])
+        .with_label_values(&[route, &*ctx.model_label, status_label(status, &mut code)])
         .inc();
     let elapsed = ctx.started.elapsed();
     if ctx.route.is_some_and(|r| r != Route::Models) && ctx.model_label != "unknown" {
         m.request_duration_seconds
-            .with_label_values(&[ctx.model_label.as_str()])
+            .with_label_values(&[&*ctx.model_label])
             .observe(elapsed.as_secs_f64());
         if let Some(t) = ctx.ttfb {
             m.ttfb_seconds
-                .with_label_values(&[ctx.model_label.as_str()])
+                .with_label_values(&[&*ctx.model_label])
                 .observe(t.as_secs_f64());
         }
     }

@@ -48,6 +48,7 @@ use pingora::protocols::http::ServerSession;
 use pingora::server::ShutdownWatch;
 use routes::Route;
 use serde_json::json;
+use std::borrow::Cow;
 use std::sync::Arc;
 
 /// The client-facing gateway service.
@@ -134,7 +135,7 @@ impl Gateway {
             Ok(a) => a,
             Err(e) => return self.reject(session, ctx, family, e).await,
         };
-        ctx.model_label = snap.config.models[a.model].name.clone();
+        ctx.model_label = Cow::Owned(snap.config.models[a.model].name.clone());
 
         // select → connect → response → stream, per attempt
         let header = session.req_header().clone();

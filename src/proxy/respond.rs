@@ -198,7 +198,7 @@ pub(super) async fn pass_through(
 ) -> pingora::Result<()> {
     ctx.status = v.status;
     let chunked = upstream::client_takes_chunked(session);
-    let mut h = upstream::response_header(&err.header, chunked, &ctx.sluice_headers())?;
+    let mut h = upstream::response_header(&err.header, chunked, ctx.sluice_headers())?;
     if v.status != err.header.status.as_u16() {
         h.set_status(v.status)?;
     }

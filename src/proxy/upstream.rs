@@ -103,8 +103,9 @@ pub fn request_header(
 
 /// The headers of `from` not named in `strip`, with room for `extra` more. Names are
 /// copied as parsed, without Pingora's per-header case map: on the wire they read as
-/// Pingora would write them from a map (its title case for common names, else lower
-/// case), which is what the case map held for names taken from a parsed header.
+/// Pingora writes a map's names (its title case for common names, else lower case),
+/// which is what the case map held for names taken from a parsed header. Names Sluice
+/// sets itself follow the same rule (`Host`, `Content-Length`, `Transfer-Encoding`).
 fn forwarded(
     from: &http::HeaderMap,
     strip: &[&str],
@@ -139,7 +140,7 @@ pub fn client_takes_chunked(session: &pingora::protocols::http::ServerSession) -
 pub fn response_header(
     upstream: &ResponseHeader,
     chunked: bool,
-    sluice: &[(&'static str, String)],
+    sluice: Vec<(&'static str, String)>,
 ) -> pingora::Result<ResponseHeader> {
     let mut parts = http::Response::new(()).into_parts().0;
     parts.status = upstream.status;
@@ -151,8 +152,9 @@ pub fn response_header(
     {
         resp.insert_header("transfer-encoding", "chunked")?;
     }
+    // Each value's own string becomes the header value, without a copy.
     for (k, v) in sluice {
-        resp.insert_header(*k, v.as_str())?;
+        resp.insert_header(k, v)?;
     }
     Ok(resp)
 }
@@ -299,7 +301,7 @@ mod tests {
             up.append_header(k, v).unwrap();
         }
         let sluice = [("x-sluice-attempts", "1".to_string())];
-        let r = response_header(&up, true, &sluice).unwrap();
+        let r = response_header(&up, true, sluice.to_vec()).unwrap();
         assert_eq!(r.status.as_u16(), 201);
         assert_eq!(
             wire(&r),
@@ -309,9 +311,14 @@ mod tests {
         // A framed body keeps its length, and an HTTP/1.0 client gets no chunking.
         let mut up = ResponseHeader::build(200, None).unwrap();
         up.append_header("Content-Length", "2").unwrap();
-        let r = response_header(&up, true, &[]).unwrap();
+        let r = response_header(&up, true, Vec::new()).unwrap();
         assert_eq!(wire(&r), "Content-Length: 2\r\n");
-        let r = response_header(&ResponseHeader::build(200, None).unwrap(), false, &[]).unwrap();
+        let r = response_header(
+            &ResponseHeader::build(200, None).unwrap(),
+            false,
+            Vec::new(),
+        )
+        .unwrap();
         assert_eq!(wire(&r), "");
     }
 }
