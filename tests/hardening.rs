@@ -382,31 +382,31 @@ fn http_layer_errors_carry_the_family_json_body() {
     assert!(r.starts_with("HTTP/1.1 400"), "{r}");
     assert_eq!(json_body(&r)["error"]["code"], "invalid_request");
     // CONNECT (its framing is a tunnel's): 405 JSON, and the connection is not kept
-    let started = Instant::now();
-    let r = raw_exchange(
-        gw.client,
+    refused_and_closed(
+        &gw,
         b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n",
-        Duration::from_secs(8),
-    );
-    assert!(r.starts_with("HTTP/1.1 405"), "{r}");
-    assert_eq!(json_body(&r)["error"]["code"], "method_not_allowed");
-    assert!(
-        started.elapsed() < Duration::from_secs(4),
-        "connection kept open after CONNECT"
+        "405",
+        "method_not_allowed",
     );
     // a broken chunked body: 400 JSON and the connection is not kept
-    let started = Instant::now();
-    let r = raw_exchange(
-        gw.client,
+    refused_and_closed(
+        &gw,
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nnope\r\n",
-        Duration::from_secs(8),
+        "400",
+        "invalid_request",
     );
-    assert!(r.starts_with("HTTP/1.1 400"), "{r}");
-    assert_eq!(json_body(&r)["error"]["code"], "invalid_request");
-    // the connection is closed after it, not kept for another request
+}
+
+/// Sends `request`; the answer is `status` with the JSON `code`, and the connection is
+/// closed after it, not kept for another request.
+fn refused_and_closed(gw: &Gateway, request: &[u8], status: &str, code: &str) {
+    let started = Instant::now();
+    let r = raw_exchange(gw.client, request, Duration::from_secs(8));
+    assert!(r.starts_with(&format!("HTTP/1.1 {status}")), "{r}");
+    assert_eq!(json_body(&r)["error"]["code"], code);
     assert!(
         started.elapsed() < Duration::from_secs(4),
-        "connection kept open"
+        "connection kept open after {status}"
     );
 }
 
