@@ -113,8 +113,9 @@ impl Engine {
         let cfg = &a.snap.config;
         let p = &cfg.providers[a.pick.provider];
         let bcfg = breaker_config(a.snap, a.pick.provider);
-        let entry = self.tables.provider(&p.id);
-        let mut e = lock(&entry);
+        // The snapshot's handle on the table entry: no lookup by id.
+        let entry = a.snap.provider_entry(&self.tables, a.pick.provider);
+        let mut e = lock(entry);
         let before = e.clone();
         let mut transition: Option<Transition> = None;
         match outcome {
@@ -176,17 +177,20 @@ impl Engine {
         let conn = &p.connections[a.pick.connection];
         // An attempt made with a credential that a reload has since replaced says
         // nothing about the new one (it must not re-mark a rotated key terminal).
-        let used = a
-            .snap
-            .fingerprint(a.pick.provider, a.pick.connection)
-            .map(str::to_string);
-        if self.snapshot().fingerprint_of(&p.id, &conn.id) != used.as_deref() {
+        let used = a.snap.fingerprint(a.pick.provider, a.pick.connection);
+        let current = self.snapshot();
+        // Unchanged when the attempt's snapshot is still the current one.
+        if !std::ptr::eq(&*current, a.snap) && current.fingerprint_of(&p.id, &conn.id) != used {
             return;
         }
+        drop(current);
         let ccfg = self.cooldown_config(a.snap, a.pick);
-        let key = conn_key(&p.id, &conn.id);
-        let entry = self.tables.connection(&p.id, &conn.id);
-        let mut e = lock(&entry);
+        let key = || conn_key(&p.id, &conn.id);
+        // The snapshot's handle on the table entry: no lookup by id.
+        let entry = a
+            .snap
+            .conn_entry(&self.tables, a.pick.provider, a.pick.connection);
+        let mut e = lock(entry);
         let before: ConnEntry = e.clone();
         let mut bucket_until: Option<(Millis, Reason)> = None;
         let effect: Option<Effect> = match outcome {
@@ -247,16 +251,19 @@ impl Engine {
             )),
             Outcome::Transport { .. } | Outcome::Abandoned => None,
         };
-        e.credential = used;
+        if e.credential.as_deref() != used {
+            e.credential = used.map(str::to_string);
+        }
         if let Some(eff) = &effect {
             rec.cooled_until = eff.cooled_until;
             if let Some(t) = eff.became_terminal {
+                let key = key();
                 tracing::warn!(connection = %key, state = t.as_str(), "connection entered a terminal state");
                 rec.urgent.push(change(Table::Connections, &key, Some(&*e)));
             }
         }
         if *e != before && rec.urgent.is_empty() {
-            changes.push(change(Table::Connections, &key, Some(&*e)));
+            changes.push(change(Table::Connections, &key(), Some(&*e)));
         }
         drop(e);
         if let Some((until, reason)) = bucket_until {

@@ -233,8 +233,12 @@ impl Tables {
 
     /// Success decay on a lockout entry, if one exists; deletes it when it reaches 0.
     pub fn decay_lockout(&self, provider: &str, connection: &str, model: &str) -> Option<Change> {
-        let key = lock_key(provider, connection, model);
         let mut map = lock(&self.lockouts);
+        if map.is_empty() {
+            // The usual case on a success: no key to build.
+            return None;
+        }
+        let key = lock_key(provider, connection, model);
         let entry = map.get_mut(&key)?;
         if entry.lock.record_success() {
             map.remove(&key);
