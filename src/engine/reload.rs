@@ -403,6 +403,11 @@ pub fn spawn_watcher(engine: Arc<Engine>) -> std::io::Result<std::thread::JoinHa
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
+    // The stamp of what is loaded is taken here, before the gateway announces itself,
+    // not when the thread first runs: a file saved right after startup (the thread may
+    // start late on a busy machine) would otherwise be taken for the loaded one and
+    // never be applied.
+    let mut last = stamp(&watched(&engine));
     std::thread::Builder::new().name("sluice-reload".into()).spawn(move || {
         rt.block_on(async move {
             let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
@@ -413,7 +418,6 @@ pub fn spawn_watcher(engine: Arc<Engine>) -> std::io::Result<std::thread::JoinHa
                 }
             };
             let mut tick = tokio::time::interval(POLL);
-            let mut last = stamp(&watched(&engine));
             let mut pending = None;
             loop {
                 // The stamp of what this reload reads is taken before it reads: a change
