@@ -240,6 +240,7 @@ pub fn run(
     };
     // The state path comes from the config; the overrides layer comes from the state.
     let first = prepare(path, &env_lookup, &Default::default(), 1).map_err(render)?;
+    let loaded = reload::LoadedStamp::take(Some(path), &first.snapshot.config.rules_dir);
     for w in &first.warnings {
         tracing::warn!("{w}");
     }
@@ -383,7 +384,7 @@ pub fn run(
             tracing::warn!(stale, dir = %outbox.display(), "state handover: dropped batches left by an earlier upgrade");
         }
     }
-    reload::spawn_watcher(engine.clone()).map_err(|source| StartupError::Listen {
+    reload::spawn_watcher(engine.clone(), loaded).map_err(|source| StartupError::Listen {
         addr: "reload watcher".into(),
         source,
     })?;

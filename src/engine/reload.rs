@@ -361,12 +361,28 @@ fn stamp(paths: &[PathBuf]) -> Vec<Option<(SystemTime, u64)>> {
 }
 
 fn watched(engine: &Engine) -> Vec<PathBuf> {
-    let snap = engine.snapshot();
-    let dir = &snap.config.rules_dir;
-    let mut v: Vec<PathBuf> = engine.reload.path.iter().cloned().collect();
-    v.push(dir.join("restatement.yaml"));
-    v.push(dir.join("classification.yaml"));
+    watched_paths(
+        engine.reload.path.as_deref(),
+        &engine.snapshot().config.rules_dir,
+    )
+}
+
+/// The config file (if any) and the two rule files of `rules_dir`.
+fn watched_paths(config: Option<&std::path::Path>, rules_dir: &std::path::Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = config.iter().map(|p| p.to_path_buf()).collect();
+    v.push(rules_dir.join("restatement.yaml"));
+    v.push(rules_dir.join("classification.yaml"));
     v
+}
+
+/// The stamp of the watched files as the startup load read them, for [`spawn_watcher`]:
+/// taken right after that load, so a file saved later during startup is a change.
+pub struct LoadedStamp(Vec<Option<(SystemTime, u64)>>);
+
+impl LoadedStamp {
+    pub fn take(config: Option<&std::path::Path>, rules_dir: &std::path::Path) -> Self {
+        LoadedStamp(stamp(&watched_paths(config, rules_dir)))
+    }
 }
 
 /// How often the watched files' stamps are read. A change is acted on only once two
@@ -399,24 +415,30 @@ fn watch_step<T: PartialEq + Clone>(loaded: &T, pending: &mut Option<T>, now: T)
 /// Starts the reload triggers on a dedicated thread: a poll of the watched files'
 /// stamps (size and modification time; a file still being written is waited for, never
 /// read mid-write), and `SIGHUP`.
-pub fn spawn_watcher(engine: Arc<Engine>) -> std::io::Result<std::thread::JoinHandle<()>> {
+/// `loaded`: the files' stamp at the startup load, not when the thread first runs (it
+/// may start late on a busy machine, after a save that would then pass for the loaded
+/// file and never be applied). `SIGHUP` is taken over before this returns, so one sent
+/// once the gateway has announced itself never meets its default action (exit).
+pub fn spawn_watcher(
+    engine: Arc<Engine>,
+    loaded: LoadedStamp,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    // The stamp of what is loaded is taken here, before the gateway announces itself,
-    // not when the thread first runs: a file saved right after startup (the thread may
-    // start late on a busy machine) would otherwise be taken for the loaded one and
-    // never be applied.
-    let mut last = stamp(&watched(&engine));
+    let mut last = loaded.0;
+    let mut hup = {
+        let _in_rt = rt.enter();
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGHUP; file watching still works");
+                None
+            }
+        }
+    };
     std::thread::Builder::new().name("sluice-reload".into()).spawn(move || {
         rt.block_on(async move {
-            let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot listen for SIGHUP; file watching still works");
-                    None
-                }
-            };
             let mut tick = tokio::time::interval(POLL);
             let mut pending = None;
             loop {
