@@ -49,7 +49,7 @@ check:
 ## concurrent SSE streams (RSS per stream, added chunk gap), then the selection
 ## micro-benchmark (bench/RESULTS.md has the recorded runs).
 bench: build
-	$(CARGO) build --release --example floor
+	$(CARGO) build --release --example floor --example streams
 	./bench/run.sh
 	./bench/streams.sh
 	$(CARGO) bench --bench selection

@@ -63,3 +63,45 @@ YAML
 TICKS=$(getconf CLK_TCK)
 # cpu_ticks PID... -> utime+stime of those processes, in clock ticks
 cpu_ticks() { local t=0 p; for p in "$@"; do t=$(( t + $(awk '{print $14 + $15}' "/proc/$p/stat") )); done; echo "$t"; }
+
+# start_nginx WORKER_CONNECTIONS -> when nginx is installed, a plain proxy to the mock
+# (2 workers, upstream keepalive 256, buffering off): sets NGINX (address) and
+# NGINX_PIDS (master and workers); NGINX stays empty without nginx.
+NGINX=""
+NGINX_PIDS=()
+start_nginx() {
+  command -v nginx >/dev/null || return 0
+  local port
+  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()')
+  mkdir -p "$WORK/nginx"
+  cat >"$WORK/nginx.conf" <<NGX
+worker_processes 2;
+worker_rlimit_nofile $(ulimit -n);
+pid $WORK/nginx.pid;
+error_log $WORK/nginx/error.log warn;
+events { worker_connections $1; }
+http {
+  access_log off;
+  client_body_temp_path $WORK/nginx; proxy_temp_path $WORK/nginx;
+  fastcgi_temp_path $WORK/nginx; uwsgi_temp_path $WORK/nginx; scgi_temp_path $WORK/nginx;
+  upstream mock { server $MOCK; keepalive 256; }
+  server {
+    listen 127.0.0.1:$port;
+    location / {
+      proxy_pass http://mock;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }
+  }
+}
+NGX
+  nginx -c "$WORK/nginx.conf" -g 'daemon off;' >/dev/null 2>&1 &
+  local master=$!
+  PIDS+=("$master")
+  for _ in $(seq 1 100); do
+    curl -s -o /dev/null "http://127.0.0.1:$port/__stats" && break; sleep 0.1
+  done
+  NGINX="127.0.0.1:$port"
+  NGINX_PIDS=("$master" $(pgrep -P "$master"))
+}

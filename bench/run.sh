@@ -24,38 +24,7 @@ FLOOR_PID=$!
 PIDS+=("$FLOOR_PID")
 FLOOR=$(wait_listen "$WORK/floor.out" client)
 
-NGINX=""
-if command -v nginx >/dev/null; then
-  NPORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()')
-  mkdir -p "$WORK/nginx"
-  cat >"$WORK/nginx.conf" <<NGX
-worker_processes 2;
-pid $WORK/nginx.pid;
-error_log $WORK/nginx/error.log warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $WORK/nginx; proxy_temp_path $WORK/nginx;
-  fastcgi_temp_path $WORK/nginx; uwsgi_temp_path $WORK/nginx; scgi_temp_path $WORK/nginx;
-  upstream mock { server $MOCK; keepalive 256; }
-  server {
-    listen 127.0.0.1:$NPORT;
-    location / {
-      proxy_pass http://mock;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-      proxy_buffering off;
-    }
-  }
-}
-NGX
-  nginx -c "$WORK/nginx.conf" -g 'daemon off;' >/dev/null 2>&1 &
-  PIDS+=($!)
-  for _ in $(seq 1 100); do
-    curl -s -o /dev/null "http://127.0.0.1:$NPORT/__stats" && break; sleep 0.1
-  done
-  NGINX="127.0.0.1:$NPORT"
-fi
+start_nginx 4096
 
 # to_ms "123.45us" -> milliseconds
 to_ms() { awk -v v="$1" 'BEGIN{ n=v+0; if (v ~ /us$/) n/=1000; else if (v ~ /ms$/) n=n; else if (v ~ /s$/) n*=1000; printf "%.3f", n }'; }
@@ -95,8 +64,6 @@ REPORT="bench/out/$(date -u +%Y%m%d-%H%M%S).md"
   echo "| mode | conns | direct rps | floor rps | sluice rps | nginx rps | sluice/nginx | sluice/floor | floor/nginx | p50/p99 ms direct | floor | sluice | nginx | sluice added p50/p99 ms | CPU µs/req floor | sluice | nginx | sluice CPU ÷ nginx |"
   echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 } | tee "$REPORT"
-NGINX_PIDS=()
-[ -n "$NGINX" ] && NGINX_PIDS=($(pgrep -f "nginx -c $WORK/nginx.conf"; pgrep -P "$(pgrep -f "nginx -c $WORK/nginx.conf" | head -1)"))
 for stream in 0 1; do
   mode=$([ "$stream" = 1 ] && echo stream || echo json)
   for c in $CONNS; do
