@@ -18,6 +18,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// The gateway's allocator (src/main.rs), so the floor measures Pingora in the same build.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// The one upstream every request goes to, with Sluice's pool settings.
 struct Floor {
     upstream: SocketAddr,

@@ -5,6 +5,13 @@ use clap::Parser;
 use sluice::cli::{Cli, Command, StateAction};
 use std::io::IsTerminal;
 
+/// mimalloc instead of glibc's malloc: less CPU per request and a resident size that
+/// settles under stream churn where glibc's keeps growing; built without transparent
+/// huge pages, which would make every open stream's buffers resident in 2 MiB units
+/// (measured in bench/RESULTS.md, the choice in docs/decisions.md).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Logs go through a background writer (see `sluice::logging`); the returned handle
 /// flushes it before the process exits.
 fn init_logging() -> Option<sluice::logging::Background> {
