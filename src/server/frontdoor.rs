@@ -120,6 +120,10 @@ pub fn listen(addr: &str) -> std::io::Result<std::net::TcpListener> {
     Ok(socket.into())
 }
 
+/// Connections accepted back to back before the accept loop yields to the tasks already
+/// ready (bench/RESULTS.md, 2026-12-04: 8,000 streams opening at once).
+const ACCEPT_BURST: u32 = 8;
+
 /// Accept errors that mean "out of descriptors or memory": wait before the next accept
 /// (the connection stays in the backlog). Others (a connection aborted before it was
 /// accepted) are retried at once.
@@ -160,6 +164,7 @@ impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
             }
         };
         let slots = Arc::new(Semaphore::new(self.limits.max_connections));
+        let mut burst = 0;
         loop {
             let permit = tokio::select! {
                 p = slots.clone().acquire_owned() => match p {
@@ -201,6 +206,13 @@ impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
                 serve(app, stream, limits, &shutdown, &draining, arriving).await;
                 drop(permit);
             });
+            // Every few accepts the loop waits its turn behind the work already ready, so
+            // a burst of new connections does not hold up the streams already open.
+            burst += 1;
+            if burst == ACCEPT_BURST {
+                burst = 0;
+                tokio::task::yield_now().await;
+            }
         }
         // Accept nothing more: an upgrade's successor holds its own copy of the socket.
         drop(listener);
