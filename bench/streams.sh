@@ -23,7 +23,7 @@ added() { awk -v a="$1" -v b="$2" 'BEGIN{printf "%.1f", a-b}'; }
 rows=()
 for n in $COUNTS; do
   echo "### $n streams direct to the mock (baseline gaps)"
-  d=$("$CLIENT" "$MOCK" "$MOCK_PID" "$n" | tee /dev/stderr | awk '/^RESULT/')
+  d=$("$CLIENT" "$MOCK" "$MOCK_PID" "$n" | tee -a /dev/stderr | awk '/^RESULT/')
   read -r _ _ ddone _ _ _ _ d99 d999 _ ds99 ds999 <<<"$d"
   rows+=("| $n | direct | $ddone | - | - | - | $d99 / $d999 | - | $ds99 / $ds999 | - |")
   paths=("Sluice $SLUICE $SLUICE_PID")
@@ -31,7 +31,7 @@ for n in $COUNTS; do
   for p in "${paths[@]}"; do
     read -r name addr pids <<<"$p"
     echo "### $n streams through $name"
-    r=$("$CLIENT" "$addr" "$pids" "$n" | tee /dev/stderr | awk '/^RESULT/')
+    r=$("$CLIENT" "$addr" "$pids" "$n" | tee -a /dev/stderr | awk '/^RESULT/')
     read -r _ _ done idle peak per _ p99 p999 _ s99 s999 <<<"$r"
     rows+=("| $n | $name | $done | $idle | $peak | $per | $p99 / $p999 | $(added "$p99" "$d99") / $(added "$p999" "$d999") | $s99 / $s999 | $(added "$s99" "$ds99") / $(added "$s999" "$ds999") |")
   done
