@@ -16,6 +16,7 @@ use crate::proxy::Gateway;
 use crate::server::frontdoor::{file_limit, listen, ClientLimits, FrontDoor};
 use crate::server::handover::{Listeners, Signals, StopSignals, Successor, CLAIMED};
 use crate::server::listener::TcpAppService;
+use crate::server::workers::Joins;
 use crate::store::{Change, RedbStore, RedisStore, StateStore, StoreWriter, Table};
 use clap::{Parser, Subcommand};
 use pingora::server::configuration::ServerConf;
@@ -402,12 +403,14 @@ pub fn run(
         "client connection limits set"
     );
     let client_addr = client_sock.local_addr().map_err(listen_err(&srv.listen))?;
+    let workers = Joins::default();
     let client_svc = FrontDoor::new(
         "sluice-client",
         client_sock,
         gateway,
         limits,
-        Some(threads),
+        threads,
+        workers.clone(),
         engine.lifecycle.clone(),
     );
     let (admin_svc, admin_addr) = TcpAppService::from_listener(
@@ -457,6 +460,8 @@ pub fn run(
     server.run(RunArgs {
         shutdown_signal: Box::new(signals),
     });
+    // The client workers end within a second of the shutdown.
+    workers.join();
     // The runtimes have stopped: nothing changes state any more. The last batch goes to
     // the store (or, after an upgrade, to the successor).
     let flushed = signal_rt.block_on(writer.flush());

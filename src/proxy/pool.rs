@@ -151,7 +151,7 @@ impl Upstreams {
         if super::transport::multiplexed(peer) {
             return Box::pin(self.multiplexing.get_http_session(peer)).await;
         }
-        if let Some(stream) = self.take(peer.reuse_hash(), crate::clock::monotonic()) {
+        if let Some(stream) = self.take(pool_key(peer), crate::clock::monotonic()) {
             return Ok((session(stream, peer), true));
         }
         Ok((self.fresh(peer).await?, false))
@@ -213,7 +213,7 @@ impl Upstreams {
             self.sweeping.store(false, Ordering::Release);
         }
         let now = crate::clock::monotonic();
-        let key = peer.reuse_hash();
+        let key = pool_key(peer);
         let mut closed = Vec::new();
         {
             let mut set = lock(&self.idle);
@@ -244,6 +244,14 @@ impl Upstreams {
     pub fn idle_count(&self) -> usize {
         lock(&self.idle).total
     }
+}
+
+/// Idle connections are kept per client worker: a socket is registered with the driver
+/// of the worker that connected it, and used from another its every wake-up would cross
+/// threads.
+fn pool_key(peer: &HttpPeer) -> u64 {
+    let worker = crate::server::workers::current();
+    peer.reuse_hash() ^ worker.wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
 fn session(stream: Stream, peer: &HttpPeer) -> HttpSession {

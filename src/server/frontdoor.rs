@@ -21,11 +21,11 @@
 
 use super::client_stream::ClientStream;
 use super::lifecycle::{until_set, Active, Lifecycle};
+use super::workers::{Joins, Workers};
 use async_trait::async_trait;
 use pingora::apps::HttpServerApp;
 use pingora::protocols::http::ServerSession;
-use pingora::protocols::l4::listener::Listener;
-use pingora::protocols::Stream;
+use pingora::protocols::{GetSocketDigest, SocketDigest, Stream};
 use pingora::server::{ListenFds, ShutdownWatch};
 use pingora::services::Service;
 use std::net::SocketAddr;
@@ -76,19 +76,22 @@ pub struct FrontDoor<A> {
     app: Arc<A>,
     listener: Option<std::net::TcpListener>,
     limits: ClientLimits,
-    threads: Option<usize>,
+    workers: usize,
+    joins: Joins,
     life: Arc<Lifecycle>,
 }
 
 impl<A: HttpServerApp + Send + Sync + 'static> FrontDoor<A> {
-    /// Serves `listener` (bound by [`listen`] or inherited from an upgrade) until the
-    /// server shuts down or `life` starts draining.
+    /// Serves `listener` (bound by [`listen`] or inherited from an upgrade) on
+    /// `workers` client workers until the server shuts down or `life` starts draining.
+    /// The workers' threads go to `joins`, to be joined after the server has stopped.
     pub fn new(
         name: &str,
         listener: std::net::TcpListener,
         app: A,
         limits: ClientLimits,
-        threads: Option<usize>,
+        workers: usize,
+        joins: Joins,
         life: Arc<Lifecycle>,
     ) -> Self {
         FrontDoor {
@@ -96,7 +99,8 @@ impl<A: HttpServerApp + Send + Sync + 'static> FrontDoor<A> {
             app: Arc::new(app),
             listener: Some(listener),
             limits,
-            threads,
+            workers,
+            joins,
             life,
         }
     }
@@ -120,10 +124,6 @@ pub fn listen(addr: &str) -> std::io::Result<std::net::TcpListener> {
     Ok(socket.into())
 }
 
-/// Connections accepted back to back before the accept loop yields to the tasks already
-/// ready (bench/RESULTS.md, 2026-12-04: 8,000 streams opening at once).
-const ACCEPT_BURST: u32 = 8;
-
 /// Accept errors that mean "out of descriptors or memory": wait before the next accept
 /// (the connection stays in the backlog). Others (a connection aborted before it was
 /// accepted) are retried at once.
@@ -133,7 +133,7 @@ fn is_resource_exhaustion(e: &std::io::Error) -> bool {
 }
 
 /// Resolves once the server is shutting down.
-async fn shutting_down(watch: &mut ShutdownWatch) {
+pub(super) async fn shutting_down(watch: &mut ShutdownWatch) {
     while !*watch.borrow() {
         if watch.changed().await.is_err() {
             return;
@@ -157,14 +157,20 @@ impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
         // `arriving`) before the drain can find nothing left.
         let looping = self.life.enter();
         let listener = match tokio::net::TcpListener::from_std(std_listener) {
-            Ok(l) => Listener::from(l),
+            Ok(l) => l,
             Err(e) => {
                 tracing::error!(error = %e, "cannot start the client listener");
                 return;
             }
         };
+        let mut workers = match Workers::start(&self.name, self.workers, &shutdown, &self.joins) {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the client workers");
+                return;
+            }
+        };
         let slots = Arc::new(Semaphore::new(self.limits.max_connections));
-        let mut burst = 0;
         loop {
             let permit = tokio::select! {
                 p = slots.clone().acquire_owned() => match p {
@@ -179,7 +185,7 @@ impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
                 _ = shutting_down(&mut shutdown) => break,
                 _ = until_set(&mut drain) => break,
             };
-            let mut stream = match accepted {
+            let (stream, peer) = match accepted {
                 Ok(s) => s,
                 Err(e) if is_resource_exhaustion(&e) => {
                     tracing::warn!(error = %e, "accept failed: out of resources, retrying");
@@ -195,23 +201,28 @@ impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
                     continue;
                 }
             };
-            let _ = stream.set_nodelay();
+            let _ = stream.set_nodelay(true);
+            // The socket leaves this runtime's driver: the worker registers it with its own.
+            let Ok(stream) = stream.into_std() else {
+                continue;
+            };
             let (app, limits, shutdown) = (self.app.clone(), self.limits, shutdown.clone());
             let draining = self.life.draining();
             // A connection counts as in flight from its accept until its first request
             // is being handled (the request then counts itself): a drain never ends
             // between a client's connect and its request.
             let arriving = self.life.enter();
-            tokio::spawn(async move {
-                serve(app, stream, limits, &shutdown, &draining, arriving).await;
-                drop(permit);
-            });
-            // Every few accepts the loop waits its turn behind the work already ready, so
-            // a burst of new connections does not hold up the streams already open.
-            burst += 1;
-            if burst == ACCEPT_BURST {
-                burst = 0;
-                tokio::task::yield_now().await;
+            let handed = workers.hand(Box::new(move || {
+                Box::pin(async move {
+                    if let Some(stream) = adopt(stream, peer) {
+                        serve(app, stream, limits, &shutdown, &draining, arriving).await;
+                    }
+                    drop(permit);
+                })
+            }));
+            if !handed {
+                tracing::error!("no client worker is running: the listener stops");
+                break;
             }
         }
         // Accept nothing more: an upgrade's successor holds its own copy of the socket.
@@ -231,9 +242,31 @@ impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
         &self.name
     }
 
+    /// The acceptor's own runtime: one thread (the connections run on the workers).
     fn threads(&self) -> Option<usize> {
-        self.threads
+        Some(1)
     }
+}
+
+/// A socket accepted on the acceptor, registered with the calling worker's runtime and
+/// dressed as Pingora's listener dresses one (its socket digest with the peer address).
+fn adopt(
+    stream: std::net::TcpStream,
+    peer: SocketAddr,
+) -> Option<pingora::protocols::l4::stream::Stream> {
+    use std::os::unix::io::AsRawFd;
+    let stream = match tokio::net::TcpStream::from_std(stream) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "an accepted connection could not be registered");
+            return None;
+        }
+    };
+    let mut stream = pingora::protocols::l4::stream::Stream::from(stream);
+    let digest = SocketDigest::from_raw_fd(stream.as_raw_fd());
+    let _ = digest.peer_addr.set(Some(peer.into()));
+    stream.set_socket_digest(digest);
+    Some(stream)
 }
 
 /// One client connection: its requests, one `process_new_http` each, until it closes.

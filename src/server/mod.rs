@@ -6,3 +6,4 @@ pub mod handover;
 pub mod lifecycle;
 pub mod listener;
 pub mod notify;
+pub mod workers;
