@@ -1,5 +1,6 @@
 //! The bench floor (SPEC §10, issue #9): a bare Pingora pass-through on the same
-//! connector and listener Sluice uses — no layers, no logging, one fixed upstream — so
+//! connector and front door Sluice uses (its client workers, `src/server/workers.rs`) —
+//! pingora-proxy's `ProxyHttp` session, no layers, no logging, one fixed upstream — so
 //! `bench/run.sh` can show how much of a request's cost is Pingora's and how much is
 //! Sluice's. Built for the bench only (`cargo build --release --example floor`).
 //!
@@ -12,7 +13,9 @@ use pingora::prelude::HttpPeer;
 use pingora::proxy::{ProxyHttp, Session};
 use pingora::server::configuration::ServerConf;
 use pingora::server::Server;
-use sluice::server::listener::TcpAppService;
+use sluice::server::frontdoor::{listen, ClientLimits, FrontDoor};
+use sluice::server::lifecycle::Lifecycle;
+use sluice::server::workers::{self, Joins};
 use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -22,7 +25,9 @@ use std::time::Duration;
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// The one upstream every request goes to, with Sluice's pool settings.
+/// The one upstream every request goes to, with Sluice's pool settings; idle upstream
+/// connections are kept per client worker, as Sluice's own pool does (a socket belongs
+/// to the worker runtime it was registered with).
 struct Floor {
     upstream: SocketAddr,
 }
@@ -33,6 +38,17 @@ impl ProxyHttp for Floor {
 
     fn new_ctx(&self) {}
 
+    /// Ends the front door's header phase, as the gateway does once it has read a
+    /// header: from here on the response is Pingora's, not a header-error page.
+    async fn early_request_filter(
+        &self,
+        session: &mut Session,
+        _ctx: &mut (),
+    ) -> pingora::Result<()> {
+        sluice::server::frontdoor::header_done(session);
+        Ok(())
+    }
+
     async fn upstream_peer(
         &self,
         _session: &mut Session,
@@ -40,6 +56,7 @@ impl ProxyHttp for Floor {
     ) -> pingora::Result<Box<HttpPeer>> {
         let mut peer = HttpPeer::new(self.upstream, false, String::new());
         peer.options.idle_timeout = Some(Duration::from_secs(90));
+        peer.group_key = workers::current();
         Ok(Box::new(peer))
     }
 }
@@ -55,7 +72,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let upstream: SocketAddr = arg(&args, "--upstream")
         .ok_or("--upstream HOST:PORT is required")?
         .parse()?;
-    let listen = arg(&args, "--listen").unwrap_or_else(|| "127.0.0.1:0".into());
+    let listen_at = arg(&args, "--listen").unwrap_or_else(|| "127.0.0.1:0".into());
     let threads: usize = arg(&args, "--threads").map_or(Ok(2), |t| t.parse())?;
     let pid = std::process::id();
     let tmp = std::env::temp_dir();
@@ -66,7 +83,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ..ServerConf::default()
     };
     let app = pingora::proxy::http_proxy(&Arc::new(conf()), Floor { upstream });
-    let (service, addr) = TcpAppService::bind("floor", &listen, app, Some(threads))?;
+    let sock = listen(&listen_at)?;
+    let addr = sock.local_addr()?;
+    // Sluice's defaults (SPEC §6): the floor never hits them in the bench.
+    let limits = ClientLimits {
+        header_timeout: Duration::from_secs(30),
+        body_timeout: Duration::from_secs(60),
+        keepalive_timeout: Duration::from_secs(75),
+        max_connections: ClientLimits::connections_for(0, sluice::server::frontdoor::file_limit()),
+    };
+    let joins = Joins::default();
+    let service = FrontDoor::new("floor", sock, app, limits, threads, joins, Lifecycle::new());
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "LISTENING client {addr}")?;

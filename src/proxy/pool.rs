@@ -250,8 +250,7 @@ impl Upstreams {
 /// of the worker that connected it, and used from another its every wake-up would cross
 /// threads.
 fn pool_key(peer: &HttpPeer) -> u64 {
-    let worker = crate::server::workers::current();
-    peer.reuse_hash() ^ worker.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    peer.reuse_hash() ^ crate::server::workers::pool_salt()
 }
 
 fn session(stream: Stream, peer: &HttpPeer) -> HttpSession {

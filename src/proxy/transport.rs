@@ -23,7 +23,10 @@ pub fn configure(peer: &mut HttpPeer, p: &Provider) {
     // Pingora's reuse hash leaves out the CA a connection was verified against: keep
     // each provider's connections to itself, and to the TLS files they were made under,
     // so none is reused under another trust (another provider's, or before a reload).
-    peer.group_key = p.pool_key;
+    // Each client worker keeps its own: an HTTP/2 connection is driven by a task on the
+    // worker that opened it, and a pooled socket belongs to that worker's driver, so a
+    // shared one would carry every worker's upstream I/O across threads.
+    peer.group_key = p.pool_key ^ crate::server::workers::pool_salt();
     let o = &mut peer.options;
     match (p.http2, p.base_url.tls) {
         (Http2::Off, _) | (Http2::Auto, false) => o.set_http_version(1, 1),

@@ -159,14 +159,16 @@ impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
         let listener = match tokio::net::TcpListener::from_std(std_listener) {
             Ok(l) => l,
             Err(e) => {
-                tracing::error!(error = %e, "cannot start the client listener");
+                tracing::error!(error = %e, "cannot start the client listener: not ready");
+                self.life.start_drain();
                 return;
             }
         };
         let mut workers = match Workers::start(&self.name, self.workers, &shutdown, &self.joins) {
             Ok(w) => w,
             Err(e) => {
-                tracing::error!(error = %e, "cannot start the client workers");
+                tracing::error!(error = %e, "cannot start the client workers: not ready");
+                self.life.start_drain();
                 return;
             }
         };
@@ -221,7 +223,10 @@ impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
                 })
             }));
             if !handed {
-                tracing::error!("no client worker is running: the listener stops");
+                // Only at shutdown in practice (a task's panic does not end a worker);
+                // otherwise /ready turns 503 so the load balancer stops sending here.
+                tracing::error!("no client worker is running: the listener stops, not ready");
+                self.life.start_drain();
                 break;
             }
         }

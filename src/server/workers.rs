@@ -51,8 +51,17 @@ pub fn current() -> u64 {
     WORKER.with(Cell::get)
 }
 
+/// A value to mix into a connection pool's key so that each worker keeps its own
+/// connections (0 off the workers: the key is left as it is).
+pub fn pool_salt() -> u64 {
+    current().wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// A job on its way to a worker, counted there from the hand-off.
+type Arrival = (Job, Open);
+
 struct Worker {
-    jobs: mpsc::UnboundedSender<Job>,
+    jobs: mpsc::UnboundedSender<Arrival>,
     open: Arc<AtomicUsize>,
 }
 
@@ -131,34 +140,36 @@ impl Workers {
 
     /// Hands `job` to the worker with the fewest open connections; `false` when no
     /// worker takes jobs any more (the job is dropped unrun, closing its connection).
-    pub fn hand(&mut self, job: Job) -> bool {
-        // A worker only stops at shutdown (or if its thread died): skip it from then on.
-        self.workers.retain(|w| !w.jobs.is_closed());
-        let n = self.workers.len();
-        if n == 0 {
-            return false;
-        }
-        let load = |i: usize| self.workers[i].open.load(Ordering::Acquire);
-        let start = self.turn % n;
-        self.turn = self.turn.wrapping_add(1);
-        let (mut best, mut least) = (start, load(start));
-        for k in 1..n {
-            let i = (start + k) % n;
-            if load(i) < least {
-                (best, least) = (i, load(i));
+    /// A worker found stopped is skipped from then on and the job goes to the next.
+    pub fn hand(&mut self, mut job: Job) -> bool {
+        loop {
+            // A worker only stops at shutdown (or if its thread died).
+            self.workers.retain(|w| !w.jobs.is_closed());
+            let n = self.workers.len();
+            if n == 0 {
+                return false;
+            }
+            let load = |i: usize| self.workers[i].open.load(Ordering::Acquire);
+            let start = self.turn % n;
+            self.turn = self.turn.wrapping_add(1);
+            let (mut best, mut least) = (start, load(start));
+            for k in 1..n {
+                let i = (start + k) % n;
+                if load(i) < least {
+                    (best, least) = (i, load(i));
+                }
+            }
+            let w = &self.workers[best];
+            w.open.fetch_add(1, Ordering::AcqRel);
+            match w.jobs.send((job, Open(w.open.clone()))) {
+                Ok(()) => return true,
+                // It stopped since the check: its count goes back with the guard.
+                Err(mpsc::error::SendError((back, _open))) => {
+                    job = back;
+                    self.workers.remove(best);
+                }
             }
         }
-        let w = &self.workers[best];
-        w.open.fetch_add(1, Ordering::AcqRel);
-        let open = Open(w.open.clone());
-        let counted: Job = Box::new(move || {
-            let fut = job();
-            Box::pin(async move {
-                let _open = open;
-                fut.await;
-            })
-        });
-        w.jobs.send(counted).is_ok()
     }
 
     /// Open connections per worker, in worker order.
@@ -171,13 +182,17 @@ impl Workers {
 }
 
 /// A worker's loop: start each arriving job, until the server shuts down.
-async fn run(mut arrivals: mpsc::UnboundedReceiver<Job>, mut shutdown: ShutdownWatch) {
+async fn run(mut arrivals: mpsc::UnboundedReceiver<Arrival>, mut shutdown: ShutdownWatch) {
     let mut burst = 0;
     loop {
         tokio::select! {
             job = arrivals.recv() => match job {
-                Some(job) => {
-                    tokio::spawn(job());
+                Some((job, open)) => {
+                    let fut = job();
+                    tokio::spawn(async move {
+                        let _open = open;
+                        fut.await;
+                    });
                     burst += 1;
                     if burst == ARRIVAL_BURST {
                         burst = 0;
@@ -258,6 +273,44 @@ mod tests {
         stop.send_replace(true);
         joins.join();
         assert!(!workers.hand(held(seen_tx, release)), "no worker is left");
+    }
+
+    #[test]
+    fn a_stopped_worker_is_skipped_and_its_connections_go_to_the_others() {
+        let worker = || {
+            let (jobs, arrivals) = mpsc::unbounded_channel();
+            let open = Arc::new(AtomicUsize::new(0));
+            (
+                Worker {
+                    jobs,
+                    open: open.clone(),
+                },
+                arrivals,
+                open,
+            )
+        };
+        let (first, first_rx, first_open) = worker();
+        let (second, mut second_rx, second_open) = worker();
+        let mut workers = Workers {
+            workers: vec![first, second],
+            turn: 0,
+        };
+        drop(first_rx);
+        let noop = || -> Job { Box::new(|| Box::pin(async {})) };
+        assert!(workers.hand(noop()), "the live worker takes it");
+        assert!(workers.hand(noop()));
+        assert_eq!(workers.open(), vec![2], "the stopped worker is gone");
+        assert_eq!(first_open.load(Ordering::Acquire), 0);
+        let (_job, open) = second_rx.try_recv().unwrap();
+        drop(open);
+        assert_eq!(second_open.load(Ordering::Acquire), 1);
+        drop(second_rx);
+        assert!(!workers.hand(noop()), "no worker left: the job is refused");
+        assert_eq!(
+            second_open.load(Ordering::Acquire),
+            0,
+            "queued jobs dropped, counts back"
+        );
     }
 
     #[test]
