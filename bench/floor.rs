@@ -13,7 +13,8 @@ use pingora::prelude::HttpPeer;
 use pingora::proxy::{ProxyHttp, Session};
 use pingora::server::configuration::ServerConf;
 use pingora::server::Server;
-use sluice::server::frontdoor::{listen, ClientLimits, FrontDoor};
+use sluice::config::types;
+use sluice::server::frontdoor::{file_limit, header_done, listen, ClientLimits, FrontDoor};
 use sluice::server::lifecycle::Lifecycle;
 use sluice::server::workers::{self, Joins};
 use std::io::Write;
@@ -45,7 +46,7 @@ impl ProxyHttp for Floor {
         session: &mut Session,
         _ctx: &mut (),
     ) -> pingora::Result<()> {
-        sluice::server::frontdoor::header_done(session);
+        header_done(session);
         Ok(())
     }
 
@@ -56,7 +57,7 @@ impl ProxyHttp for Floor {
     ) -> pingora::Result<Box<HttpPeer>> {
         let mut peer = HttpPeer::new(self.upstream, false, String::new());
         peer.options.idle_timeout = Some(Duration::from_secs(90));
-        peer.group_key = workers::current();
+        peer.group_key = workers::pool_salt();
         Ok(Box::new(peer))
     }
 }
@@ -87,10 +88,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let addr = sock.local_addr()?;
     // Sluice's defaults (SPEC §6): the floor never hits them in the bench.
     let limits = ClientLimits {
-        header_timeout: Duration::from_secs(30),
-        body_timeout: Duration::from_secs(60),
-        keepalive_timeout: Duration::from_secs(75),
-        max_connections: ClientLimits::connections_for(0, sluice::server::frontdoor::file_limit()),
+        header_timeout: Duration::from_secs(types::DEFAULT_CLIENT_HEADER_TIMEOUT_S),
+        body_timeout: Duration::from_secs(types::DEFAULT_CLIENT_BODY_TIMEOUT_S),
+        keepalive_timeout: Duration::from_secs(types::DEFAULT_KEEPALIVE_TIMEOUT_S),
+        max_connections: ClientLimits::connections_for(0, file_limit()),
     };
     let joins = Joins::default();
     let service = FrontDoor::new("floor", sock, app, limits, threads, joins, Lifecycle::new());

@@ -167,6 +167,13 @@ pub struct RedisConfig {
     pub sync_interval: Duration,
 }
 
+/// Default of `server.client_header_timeout`, in seconds (SPEC §6).
+pub const DEFAULT_CLIENT_HEADER_TIMEOUT_S: u64 = 30;
+/// Default of `server.client_body_timeout`, in seconds (SPEC §6).
+pub const DEFAULT_CLIENT_BODY_TIMEOUT_S: u64 = 60;
+/// Default of `server.keepalive_timeout`, in seconds (SPEC §6).
+pub const DEFAULT_KEEPALIVE_TIMEOUT_S: u64 = 75;
+
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
     pub listen: String,

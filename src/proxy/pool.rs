@@ -246,11 +246,10 @@ impl Upstreams {
     }
 }
 
-/// Idle connections are kept per client worker: a socket is registered with the driver
-/// of the worker that connected it, and used from another its every wake-up would cross
-/// threads.
+/// The idle list of `peer`: Pingora's reuse hash, which covers the peer's group key and
+/// with it the client worker (`proxy::transport::group_key`).
 fn pool_key(peer: &HttpPeer) -> u64 {
-    peer.reuse_hash() ^ crate::server::workers::pool_salt()
+    peer.reuse_hash()
 }
 
 fn session(stream: Stream, peer: &HttpPeer) -> HttpSession {

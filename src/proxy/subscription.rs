@@ -385,7 +385,7 @@ fn oauth_peer(addr: std::net::SocketAddr, base: &BaseUrl, p: &Provider) -> HttpP
     peer.options.connection_timeout = Some(p.connect_timeout);
     peer.options.total_connection_timeout = Some(p.connect_timeout * 2);
     peer.options.idle_timeout = Some(super::attempt::POOL_IDLE);
-    peer.group_key = p.pool_key ^ crate::server::workers::pool_salt();
+    peer.group_key = super::transport::group_key(p);
     peer.options.set_http_version(1, 1);
     if base.tls {
         peer.options.ca = p.tls.ca.clone();

@@ -18,15 +18,23 @@ pub const H2_PING: std::time::Duration = std::time::Duration::from_secs(30);
 /// Concurrent requests on one HTTP/2 connection (Pingora's default is 1: no multiplexing).
 pub const H2_STREAMS: usize = 100;
 
+/// The pool group of a peer of `p` built on this thread; part of Pingora's reuse hash,
+/// so it sorts every pool (Sluice's HTTP/1.1 one and Pingora's HTTP/2 one).
+/// - Pingora's reuse hash leaves out the CA a connection was verified against: each
+///   provider's connections are kept to itself, and to the TLS files they were made
+///   under, so none is reused under another trust (another provider's, or before a
+///   reload).
+/// - Each client worker keeps its own: a pooled socket belongs to the driver of the
+///   worker that opened it, and an HTTP/2 connection is driven by a task there, so a
+///   shared one would carry every worker's upstream I/O across threads. A peer is
+///   built, used and released by one request, on one worker.
+pub fn group_key(p: &Provider) -> u64 {
+    p.pool_key ^ crate::server::workers::pool_salt()
+}
+
 /// Applies the provider's TLS and HTTP version settings to `peer`.
 pub fn configure(peer: &mut HttpPeer, p: &Provider) {
-    // Pingora's reuse hash leaves out the CA a connection was verified against: keep
-    // each provider's connections to itself, and to the TLS files they were made under,
-    // so none is reused under another trust (another provider's, or before a reload).
-    // Each client worker keeps its own: an HTTP/2 connection is driven by a task on the
-    // worker that opened it, and a pooled socket belongs to that worker's driver, so a
-    // shared one would carry every worker's upstream I/O across threads.
-    peer.group_key = p.pool_key ^ crate::server::workers::pool_salt();
+    peer.group_key = group_key(p);
     let o = &mut peer.options;
     match (p.http2, p.base_url.tls) {
         (Http2::Off, _) | (Http2::Auto, false) => o.set_http_version(1, 1),

@@ -143,8 +143,6 @@ impl Workers {
     /// A worker found stopped is skipped from then on and the job goes to the next.
     pub fn hand(&mut self, mut job: Job) -> bool {
         loop {
-            // A worker only stops at shutdown (or if its thread died).
-            self.workers.retain(|w| !w.jobs.is_closed());
             let n = self.workers.len();
             if n == 0 {
                 return false;
@@ -163,7 +161,8 @@ impl Workers {
             w.open.fetch_add(1, Ordering::AcqRel);
             match w.jobs.send((job, Open(w.open.clone()))) {
                 Ok(()) => return true,
-                // It stopped since the check: its count goes back with the guard.
+                // It stopped (only at shutdown, or if its thread died): skipped from
+                // now on; its count goes back with the guard.
                 Err(mpsc::error::SendError((back, _open))) => {
                     job = back;
                     self.workers.remove(best);

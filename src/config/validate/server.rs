@@ -3,7 +3,10 @@
 
 use super::Validator;
 use crate::config::raw::RawServer;
-use crate::config::types::{AccessFormat, ServerConfig};
+use crate::config::types::{
+    AccessFormat, ServerConfig, DEFAULT_CLIENT_BODY_TIMEOUT_S, DEFAULT_CLIENT_HEADER_TIMEOUT_S,
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
+};
 use crate::config::units::parse_size;
 use serde_yaml::{Mapping, Value};
 use std::time::Duration;
@@ -62,11 +65,18 @@ impl Validator<'_> {
         let client_header_timeout = timeout(
             "client_header_timeout",
             raw.client_header_timeout.as_ref(),
-            30,
+            DEFAULT_CLIENT_HEADER_TIMEOUT_S,
         );
-        let client_body_timeout =
-            timeout("client_body_timeout", raw.client_body_timeout.as_ref(), 60);
-        let keepalive_timeout = timeout("keepalive_timeout", raw.keepalive_timeout.as_ref(), 75);
+        let client_body_timeout = timeout(
+            "client_body_timeout",
+            raw.client_body_timeout.as_ref(),
+            DEFAULT_CLIENT_BODY_TIMEOUT_S,
+        );
+        let keepalive_timeout = timeout(
+            "keepalive_timeout",
+            raw.keepalive_timeout.as_ref(),
+            DEFAULT_KEEPALIVE_TIMEOUT_S,
+        );
         let max_client_connections = raw.max_client_connections.unwrap_or(0);
         if max_client_connections > 1_000_000 {
             self.err(
