@@ -89,7 +89,8 @@ pub fn text(e: &Entry, out: &mut Vec<u8>) {
     pair("route", e.route, out);
     pair("model", e.model, out);
     pair("client", e.client.unwrap_or(""), out);
-    let _ = write!(out, " status={} attempts={}", e.status, e.attempts);
+    num(b" status=", e.status, out);
+    num(b" attempts=", e.attempts, out);
     pair("provider", e.provider, out);
     pair("connection", e.connection, out);
     pair("upstream_model", e.upstream_model, out);
@@ -106,9 +107,7 @@ pub fn text(e: &Entry, out: &mut Vec<u8>) {
         text_value(&a.connection, out);
         out.push(b':');
         match a.status {
-            Some(s) => {
-                let _ = write!(out, "{s}");
-            }
+            Some(s) => num(b"", s, out),
             None => text_value(a.reason, out),
         }
         if let Some(d) = &a.detail {
@@ -118,16 +117,11 @@ pub fn text(e: &Entry, out: &mut Vec<u8>) {
     }
     pair("note", e.note.unwrap_or(""), out);
     match e.ttfb_ms {
-        Some(t) => {
-            let _ = write!(out, " ttfb_ms={t}");
-        }
+        Some(t) => num(b" ttfb_ms=", t, out),
         None => out.extend_from_slice(b" ttfb_ms=-"),
     }
-    let _ = write!(
-        out,
-        " duration_ms={} bytes_out={}",
-        e.duration_ms, e.bytes_out
-    );
+    num(b" duration_ms=", e.duration_ms, out);
+    num(b" bytes_out=", e.bytes_out as u64, out);
     pair("error", e.error.unwrap_or(""), out);
     out.push(b'\n');
 }
@@ -150,7 +144,8 @@ pub fn json(e: &Entry, out: &mut Vec<u8>) {
     field("route", Some(e.route), out);
     field("model", Some(e.model), out);
     field("client", e.client, out);
-    let _ = write!(out, ",\"status\":{},\"attempts\":{}", e.status, e.attempts);
+    num(b",\"status\":", e.status, out);
+    num(b",\"attempts\":", e.attempts, out);
     let some = |v: &str| !v.is_empty();
     field("provider", Some(e.provider).filter(|v| some(v)), out);
     field("connection", Some(e.connection).filter(|v| some(v)), out);
@@ -167,9 +162,7 @@ pub fn json(e: &Entry, out: &mut Vec<u8>) {
         field("connection", Some(a.connection.as_str()), out);
         field("model", Some(a.model.as_str()), out);
         match a.status {
-            Some(s) => {
-                let _ = write!(out, ",\"status\":{s}");
-            }
+            Some(s) => num(b",\"status\":", s, out),
             None => out.extend_from_slice(b",\"status\":null"),
         }
         field("reason", Some(a.reason), out);
@@ -179,16 +172,11 @@ pub fn json(e: &Entry, out: &mut Vec<u8>) {
     out.push(b']');
     field("note", e.note, out);
     match e.ttfb_ms {
-        Some(t) => {
-            let _ = write!(out, ",\"ttfb_ms\":{t}");
-        }
+        Some(t) => num(b",\"ttfb_ms\":", t, out),
         None => out.extend_from_slice(b",\"ttfb_ms\":null"),
     }
-    let _ = write!(
-        out,
-        ",\"duration_ms\":{},\"bytes_out\":{}",
-        e.duration_ms, e.bytes_out
-    );
+    num(b",\"duration_ms\":", e.duration_ms, out);
+    num(b",\"bytes_out\":", e.bytes_out as u64, out);
     field("error", e.error, out);
     out.extend_from_slice(b"}\n");
 }
@@ -262,14 +250,40 @@ fn timestamp(ms: Millis, out: &mut Vec<u8>) {
     let secs = ms / 1000;
     let (y, mo, d) = civil(secs / 86_400);
     let day = secs % 86_400;
-    let _ = write!(
-        out,
-        "{y:04}-{mo:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
-        day / 3600,
-        day % 3600 / 60,
-        day % 60,
-        ms % 1000
-    );
+    digits(y, 4, out);
+    out.push(b'-');
+    digits(mo, 2, out);
+    out.push(b'-');
+    digits(d, 2, out);
+    out.push(b'T');
+    digits(day / 3600, 2, out);
+    out.push(b':');
+    digits(day % 3600 / 60, 2, out);
+    out.push(b':');
+    digits(day % 60, 2, out);
+    out.push(b'.');
+    digits(ms % 1000, 3, out);
+    out.push(b'Z');
+}
+
+/// `label` then `n` in decimal (the formatter's machinery costs more than the line's
+/// other fields together).
+fn num(label: &[u8], n: impl Into<u64>, out: &mut Vec<u8>) {
+    out.extend_from_slice(label);
+    digits(n.into(), 1, out);
+}
+
+/// `n` in decimal, zero-padded to at least `width` digits (20 at most, u64::MAX's).
+fn digits(mut n: u64, width: usize, out: &mut Vec<u8>) {
+    let mut buf = [b'0'; 20];
+    let mut at = buf.len();
+    while n > 0 || at == buf.len() {
+        at -= 1;
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+    }
+    let start = at.min(buf.len() - width.min(buf.len()));
+    out.extend_from_slice(&buf[start..]);
 }
 
 /// (year, month, day) of a count of days since 1970-01-01, in the proleptic Gregorian
@@ -435,6 +449,23 @@ mod tests {
             p.len()
         );
         assert!(long.starts_with(p));
+    }
+
+    #[test]
+    fn numbers_are_written_in_decimal_with_their_padding() {
+        let at = |n, width| {
+            let mut out = Vec::new();
+            digits(n, width, &mut out);
+            String::from_utf8(out).expect("utf-8")
+        };
+        assert_eq!(at(0, 1), "0");
+        assert_eq!(at(7, 3), "007");
+        assert_eq!(at(1234, 2), "1234");
+        assert_eq!(at(u64::MAX, 1), u64::MAX.to_string());
+        assert_eq!(at(5, 40), format!("{:020}", 5));
+        let mut out = Vec::new();
+        num(b" bytes_out=", usize::MAX as u64, &mut out);
+        assert_eq!(out, format!(" bytes_out={}", usize::MAX).into_bytes());
     }
 
     #[test]
