@@ -60,6 +60,17 @@ YAML
   SLUICE=$(wait_listen "$WORK/$n.out" client)
 }
 
+# start_floor -> the bare Pingora pass-through (bench/floor.rs) on the mock; sets FLOOR
+# (client address) and FLOOR_PID. FLOOR_BIN overrides the binary.
+start_floor() {
+  local bin=${FLOOR_BIN:-target/release/examples/floor}
+  [ -x "$bin" ] || { echo "bench: build the floor first (cargo build --release --example floor)" >&2; exit 2; }
+  "$bin" --upstream "$MOCK" --threads 2 >"$WORK/floor.out" 2>"$WORK/floor.log" &
+  FLOOR_PID=$!
+  PIDS+=("$FLOOR_PID")
+  FLOOR=$(wait_listen "$WORK/floor.out" client)
+}
+
 TICKS=$(getconf CLK_TCK)
 # cpu_ticks PID... -> utime+stime of those processes, in clock ticks
 cpu_ticks() { local t=0 p; for p in "$@"; do t=$(( t + $(awk '{print $14 + $15}' "/proc/$p/stat") )); done; echo "$t"; }

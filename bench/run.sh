@@ -17,12 +17,7 @@ command -v wrk >/dev/null || { echo "bench: wrk is required (apt-get install wrk
 . bench/lib.sh
 start_mock --chunks 8 --chunk-interval 0ms
 start_sluice
-FLOOR_BIN=${FLOOR_BIN:-target/release/examples/floor}
-[ -x "$FLOOR_BIN" ] || { echo "bench: build the floor first (cargo build --release --example floor)" >&2; exit 2; }
-"$FLOOR_BIN" --upstream "$MOCK" --threads 2 >"$WORK/floor.out" 2>"$WORK/floor.log" &
-FLOOR_PID=$!
-PIDS+=("$FLOOR_PID")
-FLOOR=$(wait_listen "$WORK/floor.out" client)
+start_floor
 
 start_nginx 4096
 
