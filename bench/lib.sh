@@ -71,6 +71,16 @@ start_floor() {
   FLOOR=$(wait_listen "$WORK/floor.out" client)
 }
 
+# start_side_by_side -> what the side-by-side scripts load in turn: the mock (8 SSE
+# chunks, no delay), Sluice, the floor and nginx (when installed)
+start_side_by_side() {
+  command -v wrk >/dev/null || { echo "bench: wrk is required (apt-get install wrk)" >&2; exit 2; }
+  start_mock --chunks 8 --chunk-interval 0ms
+  start_sluice
+  start_floor
+  start_nginx 4096
+}
+
 TICKS=$(getconf CLK_TCK)
 # cpu_ticks PID... -> utime+stime of those processes, in clock ticks
 cpu_ticks() { local t=0 p; for p in "$@"; do t=$(( t + $(awk '{print $14 + $15}' "/proc/$p/stat") )); done; echo "$t"; }

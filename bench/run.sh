@@ -13,13 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DUR=${BENCH_DURATION:-10s}
 CONNS=${BENCH_CONNS:-"1 32 128"}
-command -v wrk >/dev/null || { echo "bench: wrk is required (apt-get install wrk)" >&2; exit 2; }
 . bench/lib.sh
-start_mock --chunks 8 --chunk-interval 0ms
-start_sluice
-start_floor
-
-start_nginx 4096
+start_side_by_side
 
 # to_ms "123.45us" -> milliseconds
 to_ms() { awk -v v="$1" 'BEGIN{ n=v+0; if (v ~ /us$/) n/=1000; else if (v ~ /ms$/) n=n; else if (v ~ /s$/) n*=1000; printf "%.3f", n }'; }

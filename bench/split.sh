@@ -15,12 +15,8 @@ cd "$(dirname "$0")/.."
 DUR=${BENCH_DURATION:-5s}
 CONNS=${BENCH_CONNS:-32}
 STREAM=${BENCH_STREAM:-0}
-command -v wrk >/dev/null || { echo "bench: wrk is required (apt-get install wrk)" >&2; exit 2; }
 . bench/lib.sh
-start_mock --chunks 8 --chunk-interval 0ms
-start_sluice
-start_floor
-start_nginx 4096
+start_side_by_side
 THREADS=$(( CONNS < 2 ? 1 : 2 ))
 
 # threads PID... -> "tid comm voluntary involuntary utime stime" per thread
