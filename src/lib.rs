@@ -9,6 +9,7 @@ pub mod codes;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod http1;
 pub mod logging;
 pub mod metrics;
 pub mod mock;

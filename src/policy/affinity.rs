@@ -10,6 +10,7 @@
 //! layer (nothing is created or refreshed). Which connection is eligible is not decided
 //! here.
 
+use super::fields::Fields;
 use super::{ms, Millis};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -25,9 +26,9 @@ pub const MAX_SESSION_BYTES: usize = 256;
 /// `x-codex-session-id`, `x-sluice-session` whose value is UTF-8, non-empty after trimming
 /// and at most [`MAX_SESSION_BYTES`] bytes. An invalid value (empty, oversized, not UTF-8)
 /// is ignored as if absent, and the next header is tried.
-pub fn session_key(headers: &http::HeaderMap) -> Option<String> {
+pub fn session_key(headers: &(impl Fields + ?Sized)) -> Option<String> {
     SESSION_HEADERS.iter().find_map(|name| {
-        let value = std::str::from_utf8(headers.get(*name)?.as_bytes()).ok()?;
+        let value = headers.field_str(name)?;
         let value = value.trim();
         (!value.is_empty() && value.len() <= MAX_SESSION_BYTES).then(|| value.to_string())
     })

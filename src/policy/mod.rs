@@ -11,6 +11,7 @@ pub mod classify;
 pub mod combo;
 pub mod exclusion;
 pub mod failover;
+pub mod fields;
 pub mod window_gate;
 
 pub mod cooldown;

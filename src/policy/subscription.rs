@@ -17,9 +17,9 @@
 //! (lane, cool-off, `budget_exhausted`, the reset's next availability, a failed reset)
 //! ends at a fixed instant, so an old state file can only hold an expired one.
 
+use super::fields::Fields;
 use super::timefmt::rfc3339_ms;
 use super::{ms, Millis};
-use http::HeaderMap;
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
@@ -117,8 +117,8 @@ pub struct Signal {
     pub overage: bool,
 }
 
-fn header<'h>(h: &'h HeaderMap, name: &str) -> Option<&'h str> {
-    h.get(name).and_then(|v| v.to_str().ok()).map(str::trim)
+fn header<'h>(h: &'h (impl Fields + ?Sized), name: &str) -> Option<&'h str> {
+    h.field_str(name).map(str::trim)
 }
 
 /// Seconds (possibly fractional), not negative and finite (0 is clamped by the caller).
@@ -137,7 +137,7 @@ fn instant(s: &str) -> Option<Millis> {
 
 impl Signal {
     /// Reads the subscription headers of an answer; total (bad values read as absent).
-    pub fn read(status: u16, h: &HeaderMap) -> Signal {
+    pub fn read(status: u16, h: &(impl Fields + ?Sized)) -> Signal {
         let wall = status == 429
             && header(h, H_STATUS).is_some_and(|v| v.eq_ignore_ascii_case("rejected"));
         Signal {

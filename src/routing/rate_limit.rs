@@ -7,9 +7,9 @@
 //! one `RateLimitInfo` with an absolute reset time. The values are read by the strict,
 //! panic-free parsers of `policy::timefmt`: a malformed value is simply unknown.
 
+use crate::policy::fields::Fields;
 use crate::policy::timefmt::{openai_duration, rfc3339_ms};
 use crate::policy::Millis;
-use http::HeaderMap;
 use std::time::Duration;
 
 const OPENAI_REMAINING: &str = "x-ratelimit-remaining-requests";
@@ -39,7 +39,7 @@ impl RateLimitInfo {
 
 /// Reads the request-limit headers of either family (OpenAI first when both are sent).
 /// `None` when no such header is present or none of them holds a readable value.
-pub fn parse_rate_limit(headers: &HeaderMap, now: Millis) -> Option<RateLimitInfo> {
+pub fn parse_rate_limit(headers: &(impl Fields + ?Sized), now: Millis) -> Option<RateLimitInfo> {
     let remaining = header(headers, OPENAI_REMAINING)
         .and_then(count)
         .or_else(|| header(headers, ANTHROPIC_REMAINING).and_then(count));
@@ -53,8 +53,8 @@ pub fn parse_rate_limit(headers: &HeaderMap, now: Millis) -> Option<RateLimitInf
     })
 }
 
-fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
-    headers.get(name)?.to_str().ok().map(str::trim)
+fn header<'a>(headers: &'a (impl Fields + ?Sized), name: &str) -> Option<&'a str> {
+    headers.field_str(name).map(str::trim)
 }
 
 /// A plain non-negative integer.
@@ -173,7 +173,7 @@ mod tests {
 
     #[test]
     fn absent_or_unrelated_headers_are_none() {
-        assert_eq!(parse_rate_limit(&HeaderMap::new(), T0), None);
+        assert_eq!(parse_rate_limit(&http::HeaderMap::new(), T0), None);
         let h = headers(&[
             ("retry-after", "5"),
             ("x-ratelimit-remaining-tokens", "100"),
