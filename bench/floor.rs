@@ -1,64 +1,116 @@
-//! The bench floor (SPEC §10, issue #9): a bare Pingora pass-through on the same
-//! connector and front door Sluice uses (its client workers, `src/server/workers.rs`) —
-//! pingora-proxy's `ProxyHttp` session, no layers, no logging, one fixed upstream — so
-//! `bench/run.sh` can show how much of a request's cost is Pingora's and how much is
-//! Sluice's. Built for the bench only (`cargo build --release --example floor`).
+//! The bench floor (SPEC §10, issue #9): a bare pass-through on the same I/O path
+//! Sluice uses — Pingora's server and transport connector, Sluice's front door and
+//! client workers (`src/server/`), its HTTP/1 codec on both sides and its upstream pool
+//! (`src/proxy/h1.rs`, `pool.rs`) — with no layers, no logging and one fixed upstream,
+//! so `bench/run.sh` can show how much of a request's cost is the I/O path and how much
+//! is Sluice's layers. Chunks already in hand leave together, as Sluice sends them.
+//! Built for the bench only (`cargo build --release --example floor`).
 //!
 //!   floor --upstream 127.0.0.1:PORT [--listen 127.0.0.1:0] [--threads 2]
 //!
 //! Prints `LISTENING client <addr>` like the other binaries, then serves until killed.
 
-use async_trait::async_trait;
+use pingora::connectors::ConnectorOptions;
 use pingora::prelude::HttpPeer;
-use pingora::proxy::{ProxyHttp, Session};
 use pingora::server::configuration::ServerConf;
 use pingora::server::Server;
 use sluice::config::types;
-use sluice::server::frontdoor::{file_limit, header_done, listen, ClientLimits, FrontDoor};
-use sluice::server::lifecycle::Lifecycle;
+use sluice::proxy::pool::Upstreams;
+use sluice::proxy::upstream::{body_size, response_head, write_request_head, OutHead};
+use sluice::server::conn::{ClientConn, Incoming};
+use sluice::server::frontdoor::{file_limit, listen, ClientLimits, ConnApp, FrontDoor};
+use sluice::server::lifecycle::{Active, Lifecycle};
 use sluice::server::workers::{self, Joins};
 use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The gateway's allocator (src/main.rs), so the floor measures Pingora in the same build.
+/// The gateway's allocator (src/main.rs), so the floor measures the same build.
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// The one upstream every request goes to, with Sluice's pool settings; idle upstream
-/// connections are kept per client worker, as Sluice's own pool does (a socket belongs
-/// to the worker runtime it was registered with).
+const IDLE: Duration = Duration::from_secs(90);
+const MAX_BODY: usize = 16 << 20;
+const MAX_HEAD: usize = 64 * 1024;
+
+/// The one upstream every request goes to, through Sluice's pool (idle connections kept
+/// per client worker).
 struct Floor {
     upstream: SocketAddr,
+    authority: String,
+    pool: Upstreams,
 }
 
-#[async_trait]
-impl ProxyHttp for Floor {
-    type CTX = ();
-
-    fn new_ctx(&self) {}
-
-    /// Ends the front door's header phase, as the gateway does once it has read a
-    /// header: from here on the response is Pingora's, not a header-error page.
-    async fn early_request_filter(
-        &self,
-        session: &mut Session,
-        _ctx: &mut (),
-    ) -> pingora::Result<()> {
-        header_done(session);
-        Ok(())
-    }
-
-    async fn upstream_peer(
-        &self,
-        _session: &mut Session,
-        _ctx: &mut (),
-    ) -> pingora::Result<Box<HttpPeer>> {
+impl Floor {
+    /// One request passed through; false when the connection must close.
+    async fn pass(&self, conn: &mut ClientConn, head: &sluice::http1::RequestHead) -> bool {
+        let Ok(body) = conn.read_body(MAX_BODY).await else {
+            return false;
+        };
         let mut peer = HttpPeer::new(self.upstream, false, String::new());
-        peer.options.idle_timeout = Some(Duration::from_secs(90));
+        peer.options.idle_timeout = Some(IDLE);
         peer.group_key = workers::pool_salt();
-        Ok(Box::new(peer))
+        let Ok((mut up, _)) = self.pool.session(&peer).await else {
+            return false;
+        };
+        let out = OutHead {
+            method: head.method(),
+            prefix: "",
+            path: head.path(),
+            query: head.query(),
+            authority: &self.authority,
+            body_len: body.len(),
+        };
+        let mut wire = Vec::with_capacity(head.wire_len() + 64);
+        write_request_head(&mut wire, &out, head.fields(), &[], &[]);
+        if up.send(wire, body).await.is_err() {
+            return false;
+        }
+        let Ok(answer) = up.read_head(MAX_HEAD).await else {
+            return false;
+        };
+        let mut h = conn.head(answer.status());
+        response_head(&mut h, &answer, &[]);
+        h.end(body_size(&answer));
+        let mut batch = Vec::new();
+        loop {
+            let last = match up.read_body().await {
+                Ok(Some(first)) => {
+                    batch.extend_from_slice(&first);
+                    loop {
+                        match up.body_ready() {
+                            Some(Ok(Some(more))) => batch.extend_from_slice(&more),
+                            Some(Ok(None)) => break true,
+                            Some(Err(_)) => return false,
+                            None => break false,
+                        }
+                    }
+                }
+                Ok(None) => true,
+                Err(_) => return false,
+            };
+            if conn.write_body(&batch, last).await.is_err() {
+                return false;
+            }
+            batch.clear();
+            if last {
+                break;
+            }
+        }
+        self.pool.release(up, &peer, IDLE).await;
+        true
+    }
+}
+
+impl ConnApp for Floor {
+    async fn serve(self: Arc<Self>, mut conn: ClientConn, arriving: Active) {
+        drop(arriving);
+        while let Incoming::Request(head) = conn.next_request().await {
+            if !self.pass(&mut conn, &head).await || !conn.reusable() {
+                return;
+            }
+        }
     }
 }
 
@@ -83,7 +135,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         upgrade_sock: tmp.join(format!("floor-{pid}.sock")).display().to_string(),
         ..ServerConf::default()
     };
-    let app = pingora::proxy::http_proxy(&Arc::new(conf()), Floor { upstream });
     let sock = listen(&listen_at)?;
     let addr = sock.local_addr()?;
     // Sluice's defaults (SPEC §6): the floor never hits them in the bench.
@@ -92,6 +143,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         body_timeout: Duration::from_secs(types::DEFAULT_CLIENT_BODY_TIMEOUT_S),
         keepalive_timeout: Duration::from_secs(types::DEFAULT_KEEPALIVE_TIMEOUT_S),
         max_connections: ClientLimits::connections_for(0, file_limit()),
+    };
+    let app = Floor {
+        upstream,
+        authority: upstream.to_string(),
+        pool: Upstreams::new(options()),
     };
     let joins = Joins::default();
     let service = FrontDoor::new("floor", sock, app, limits, threads, joins, Lifecycle::new());
@@ -104,4 +160,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     server.bootstrap();
     server.add_service(service);
     server.run_forever()
+}
+
+/// Sluice's connector settings (`Engine::new`).
+fn options() -> ConnectorOptions {
+    let mut opts = ConnectorOptions::new(256);
+    opts.keepalive_pool_size = 1024;
+    opts
 }

@@ -20,4 +20,6 @@ pub mod rules;
 pub mod server;
 pub mod sse;
 pub mod store;
-mod stream_wrap;
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod test_net;

@@ -394,7 +394,12 @@ impl Engine {
     }
 
     /// Records upstream rate-limit headers of any response on a connection.
-    pub fn note_rate_limit(&self, provider: &str, connection: &str, headers: &http::HeaderMap) {
+    pub fn note_rate_limit(
+        &self,
+        provider: &str,
+        connection: &str,
+        headers: &(impl crate::policy::fields::Fields + ?Sized),
+    ) {
         if let Some(info) = parse_rate_limit(headers, self.now()) {
             lock(&self.signals)
                 .entry(conn_key(provider, connection))

@@ -25,7 +25,7 @@ const URGENT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 pub enum AttemptOutcome<'a> {
     /// The first byte reached the client. `latency`: request write → first body byte.
     Committed {
-        headers: &'a http::HeaderMap,
+        headers: &'a (dyn crate::policy::fields::Fields + Sync),
         latency: Duration,
     },
     /// The upstream answered ≥ 400 before commit (the bounded error body).

@@ -10,10 +10,11 @@ use crate::codes::ErrorCode;
 use crate::config::{Client, Family};
 use crate::engine::{Engine, Snapshot};
 use crate::error::ClientError;
+use crate::http1::RequestHead;
 use crate::policy::affinity::{pin_key, session_key};
 use crate::policy::lease::{Lease, LeaseError};
-use bytes::{Bytes, BytesMut};
-use pingora::protocols::http::ServerSession;
+use crate::server::conn::{BodyFail, ClientConn};
+use bytes::Bytes;
 
 /// A request that passed admission.
 pub struct Admitted {
@@ -24,28 +25,25 @@ pub struct Admitted {
 }
 
 /// The client key from `Authorization: Bearer …` or `x-api-key`.
-fn presented_key(session: &ServerSession) -> Option<String> {
-    let h = &session.req_header().headers;
-    if let Some(v) = h.get("authorization").and_then(|v| v.to_str().ok()) {
+fn presented_key(head: &RequestHead) -> Option<&str> {
+    if let Some(v) = head.get_str("authorization") {
         let v = v.trim();
-        if v.len() > 7 && v[..7].eq_ignore_ascii_case("bearer ") {
-            return Some(v[7..].trim().to_string());
+        if v.len() > 7 && v.is_char_boundary(7) && v[..7].eq_ignore_ascii_case("bearer ") {
+            return Some(v[7..].trim());
         }
     }
-    h.get("x-api-key")
-        .and_then(|v| v.to_str().ok())
-        .map(|v| v.trim().to_string())
+    head.get_str("x-api-key").map(str::trim)
 }
 
 /// The calling client: `None` on an open listener, 401 for a missing or unknown key.
 pub fn client<'s>(
     snap: &'s Snapshot,
-    session: &ServerSession,
+    head: &RequestHead,
 ) -> Result<Option<&'s Client>, ClientError> {
     if snap.config.clients.is_none() {
         return Ok(None);
     }
-    match presented_key(session).and_then(|k| snap.client_by_key(&k)) {
+    match presented_key(head).and_then(|k| snap.client_by_key(k)) {
         Some(c) => Ok(Some(c)),
         None => Err(ClientError::new(
             ErrorCode::Unauthorized,
@@ -55,98 +53,34 @@ pub fn client<'s>(
 }
 
 /// Reads the whole request body, at most `limit` bytes (413 beyond), answering
-/// `Expect: 100-continue` first.
-pub async fn read_body(session: &mut ServerSession, limit: usize) -> Result<Bytes, ClientError> {
-    let result = read_whole_body(session, limit).await;
-    if result.is_err() {
-        // The rest of the body is unread or unreadable: the connection cannot carry
-        // another request.
-        session.set_keepalive(None);
-    }
-    result
-}
-
-async fn read_whole_body(session: &mut ServerSession, limit: usize) -> Result<Bytes, ClientError> {
-    let too_large = || {
-        ClientError::new(
+/// `Expect: 100-continue` first. A body that cannot be read whole leaves the connection
+/// unfit for another request.
+pub async fn read_body(conn: &mut ClientConn, limit: usize) -> Result<Bytes, ClientError> {
+    conn.read_body(limit).await.map_err(|e| match e {
+        BodyFail::TooLarge => ClientError::new(
             ErrorCode::BodyTooLarge,
             format!("request body exceeds max_body_bytes ({limit} bytes)"),
-        )
-    };
-    let declared = session
-        .req_header()
-        .headers
-        .get("content-length")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > limit) {
-        return Err(too_large());
-    }
-    let expects_continue = session
-        .req_header()
-        .headers
-        .get("expect")
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-    if expects_continue {
-        session.write_continue_response().await.map_err(|e| {
-            ClientError::invalid_request(format!("cannot answer 100-continue: {e}"))
-        })?;
-    }
-    // A body that arrives in one chunk (most do) is kept as Pingora handed it over: no
-    // second buffer, no copy. Only a second chunk starts the joined buffer. Pingora's
-    // HTTP/1 server copies each chunk out of its read buffer, so keeping one pins nothing
-    // else; an HTTP/2 front door would hand over slices of h2's shared read buffer, and
-    // would need the copy back.
-    let mut first: Option<Bytes> = None;
-    let mut buf = BytesMut::new();
-    loop {
-        match session.read_request_body().await {
-            Ok(Some(chunk)) => {
-                let have = first.as_ref().map_or(buf.len(), Bytes::len);
-                if have + chunk.len() > limit {
-                    return Err(too_large());
-                }
-                if first.is_none() && buf.is_empty() {
-                    first = Some(chunk);
-                    continue;
-                }
-                if let Some(f) = first.take() {
-                    buf.reserve(
-                        declared
-                            .unwrap_or(8 * 1024)
-                            .min(limit)
-                            .max(have + chunk.len()),
-                    );
-                    buf.extend_from_slice(&f);
-                }
-                buf.extend_from_slice(&chunk);
-            }
-            Ok(None) => return Ok(first.unwrap_or_else(|| buf.freeze())),
-            Err(e) if matches!(e.etype(), pingora::ErrorType::ReadTimedout) => {
-                return Err(ClientError::new(
-                    ErrorCode::RequestTimeout,
-                    "the request body stopped arriving (server.client_body_timeout)",
-                ))
-            }
-            Err(e) => {
-                return Err(ClientError::invalid_request(format!(
-                    "cannot read request body: {}",
-                    e.etype().as_str()
-                )))
-            }
+        ),
+        BodyFail::Timeout => ClientError::new(
+            ErrorCode::RequestTimeout,
+            "the request body stopped arriving (server.client_body_timeout)",
+        ),
+        BodyFail::Broken(why) => {
+            ClientError::invalid_request(format!("cannot read request body: {why}"))
         }
-    }
+    })
 }
 
 /// Admission of an LLM request: body, JSON, model, lease fence, session key.
 pub async fn admit(
     engine: &Engine,
     snap: &Snapshot,
-    session: &mut ServerSession,
+    conn: &mut ClientConn,
+    head: &RequestHead,
     family: Family,
     client: Option<&Client>,
 ) -> Result<Admitted, ClientError> {
-    let raw = read_body(session, snap.config.server.max_body_bytes).await?;
+    let raw = read_body(conn, snap.config.server.max_body_bytes).await?;
     let body = ParsedBody::parse(raw).map_err(ClientError::invalid_request)?;
     let model = snap
         .model_index(&body.model)
@@ -161,10 +95,10 @@ pub async fn admit(
                 ),
             )
         })?;
-    let lease = lease_fence(engine, session, client).await?;
+    let lease = lease_fence(engine, head, client).await?;
     let model_name = &snap.config.models[model].name;
     let pin_key = (!snap.config.resilience.affinity_ttl.is_zero())
-        .then(|| session_key(&session.req_header().headers))
+        .then(|| session_key(&**head))
         .flatten()
         .map(|s| pin_key(client.map_or("-", |c| c.id.as_str()), model_name, &s));
     Ok(Admitted {
@@ -179,11 +113,10 @@ pub async fn admit(
 /// active lease of this client key (SPEC §5.6).
 async fn lease_fence(
     engine: &Engine,
-    session: &ServerSession,
+    head: &RequestHead,
     client: Option<&Client>,
 ) -> Result<Option<Lease>, ClientError> {
-    let h = &session.req_header().headers;
-    let Some(owner) = h.get("x-sluice-lease-owner").and_then(|v| v.to_str().ok()) else {
+    let Some(owner) = head.get_str("x-sluice-lease-owner") else {
         return Ok(None);
     };
     let Some(client) = client else {
@@ -192,9 +125,8 @@ async fn lease_fence(
             "lease headers need a client key with the lease:exclusive scope",
         ));
     };
-    let generation = h
-        .get("x-sluice-lease-generation")
-        .and_then(|v| v.to_str().ok())
+    let generation = head
+        .get_str("x-sluice-lease-generation")
         .and_then(|v| v.trim().parse::<u64>().ok())
         .ok_or_else(|| ClientError::invalid_request("X-Sluice-Lease-Generation must be given as a whole number with X-Sluice-Lease-Owner"))?;
     match engine

@@ -14,18 +14,17 @@
 
 use super::ctx::{Request, RequestCtx};
 use super::transport::{self, Cause};
+use super::upconn::UpConn;
 use super::upstream;
 use super::watch::{ClientWatch, Wait};
 use crate::clock::monotonic;
 use crate::engine::Pick;
+use crate::http1::ResponseHead;
 use crate::policy::classify::TransportKind;
 use crate::policy::redact::Redactor;
-use crate::server::frontdoor;
+use crate::server::conn::ClientConn;
 use bytes::{Bytes, BytesMut};
-use pingora::http::ResponseHeader;
 use pingora::prelude::HttpPeer;
-use pingora::protocols::http::client::HttpSession;
-use pingora::protocols::http::ServerSession;
 use pingora::RetryType;
 use std::borrow::Cow;
 use std::time::{Duration, Instant};
@@ -36,7 +35,6 @@ const ERROR_BODY_LIMIT: usize = 64 * 1024;
 /// transport failure (the client would otherwise get whatever the upstream sent).
 const MAX_UPSTREAM_HEADER_BYTES: usize = 64 * 1024;
 pub(super) const POOL_IDLE: Duration = Duration::from_secs(90);
-const WRITE_TIMEOUT: Duration = Duration::from_secs(60);
 /// The upstream connection broke (write or read error) before a whole response header.
 const CONN_FAILED: &str = "upstream connection failed";
 /// The connection was closed or reset right after the request was written, before a
@@ -45,18 +43,21 @@ const STALE: &str = "upstream connection closed before answering";
 /// How soon after the write such a close must come to be taken for a stale connection.
 const STALE_WINDOW: Duration = Duration::from_millis(100);
 
-/// An upstream error response held back (≤ 64 KiB) while failover is still possible.
+/// An upstream error response held back (≤ 64 KiB) while failover is still possible:
+/// its fields as a map (the rules and the classifier read them; errors are rare), every
+/// credential already masked.
 pub(super) struct HeldError {
-    pub header: ResponseHeader,
+    pub status: u16,
+    pub headers: http::HeaderMap,
     pub body: Bytes,
     pub pick: Pick,
 }
 
 /// A response whose header went to the client: only its body is left to stream.
 pub(super) struct Committed {
-    pub up: HttpSession,
+    pub up: UpConn,
     pub peer: HttpPeer,
-    pub header: ResponseHeader,
+    pub head: ResponseHead,
     /// The first body chunk (`None`: the body was empty and is complete).
     pub first: Option<Bytes>,
     pub is_sse: bool,
@@ -146,27 +147,27 @@ impl Drop for Inflight {
 
 /// Runs one attempt up to its commit point.
 pub(super) async fn attempt(
-    session: &mut ServerSession,
+    conn: &mut ClientConn,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
     ctx: &mut RequestCtx,
 ) -> AttemptEnd {
-    match phases(session, watch, call, ctx).await {
+    match phases(conn, watch, call, ctx).await {
         Ok(end) | Err(end) => end,
     }
 }
 
 async fn phases(
-    session: &mut ServerSession,
+    conn: &mut ClientConn,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
     ctx: &mut RequestCtx,
 ) -> Result<AttemptEnd, AttemptEnd> {
-    let (mut up, peer, reused) = connect(session, watch, call).await?;
+    let (mut up, peer, reused) = connect(conn, watch, call).await?;
     let sent_at = monotonic();
     let ttft = call.req.snap.config.resilience.stream.ttft_timeout;
     let first_byte_by = (sent_at + ttft).min(call.deadline);
-    let header = match send(session, watch, call, &mut up, first_byte_by).await {
+    let head = match send(conn, watch, call, &mut up, first_byte_by).await {
         // A pooled connection the upstream closed as it was taken (closed or reset at
         // once, not one byte of an answer: Pingora's "retry if reused") says nothing
         // about the provider, so the request goes once more, on a new connection (the
@@ -178,39 +179,39 @@ async fn phases(
             tracing::info!(provider = %p.id, connection = %p.connections[call.pick.connection].id,
                 "pooled upstream connection was closed; request resent on another connection");
             let got = async { Ok((call.req.engine.upstreams.fresh(&peer).await?, false)) };
-            up = session_of(watch.race(session, call.left(), got).await)?.0;
-            send(session, watch, call, &mut up, first_byte_by).await?
+            up = session_of(watch.race(conn, call.left(), got).await)?.0;
+            send(conn, watch, call, &mut up, first_byte_by).await?
         }
         other => other?,
     };
-    if header.status.as_u16() >= 400 {
-        return Ok(hold_error(session, watch, call, up, peer, header).await);
+    if head.status() >= 400 {
+        return Ok(hold_error(conn, watch, call, up, peer, head).await);
     }
-    let first = first_chunk(session, watch, call, &mut up, first_byte_by).await?;
+    let first = first_chunk(conn, watch, call, &mut up, first_byte_by).await?;
     let committed = Committed {
         up,
         peer,
-        header,
+        head,
         first,
         is_sse: false,
         latency: sent_at.elapsed(),
     };
-    Ok(commit(session, ctx, committed).await)
+    Ok(commit(conn, ctx, committed))
 }
 
 /// select → connect: DNS (cached, async) and a pooled or new upstream connection
 /// (`true` when it came from the pool).
 async fn connect(
-    session: &mut ServerSession,
+    conn: &mut ClientConn,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
-) -> Result<(HttpSession, HttpPeer, bool), AttemptEnd> {
+) -> Result<(UpConn, HttpPeer, bool), AttemptEnd> {
     let engine = call.req.engine;
     let p = &call.req.snap.config.providers[call.pick.provider];
     let lookup = engine
         .resolver
         .resolve(&p.base_url.host, p.base_url.port, monotonic());
-    let addr = match watch.race(session, call.left(), lookup).await {
+    let addr = match watch.race(conn, call.left(), lookup).await {
         Wait::Ready(Ok(a)) => a,
         Wait::Ready(Err(_)) => {
             return Err(broken(
@@ -226,16 +227,13 @@ async fn connect(
     peer.options.connection_timeout = Some(p.connect_timeout);
     peer.options.total_connection_timeout = Some(p.connect_timeout * 2);
     peer.options.idle_timeout = Some(POOL_IDLE);
-    peer.options.write_timeout = Some(WRITE_TIMEOUT);
     transport::configure(&mut peer, p);
     let got = engine.upstreams.session(&peer);
-    let (up, reused) = session_of(watch.race(session, call.left(), got).await)?;
+    let (up, reused) = session_of(watch.race(conn, call.left(), got).await)?;
     Ok((up, peer, reused))
 }
 
-fn session_of(
-    w: Wait<pingora::Result<(HttpSession, bool)>>,
-) -> Result<(HttpSession, bool), AttemptEnd> {
+fn session_of(w: Wait<pingora::Result<(UpConn, bool)>>) -> Result<(UpConn, bool), AttemptEnd> {
     match w {
         Wait::Ready(Ok(got)) => Ok(got),
         Wait::Ready(Err(e)) => {
@@ -249,58 +247,39 @@ fn session_of(
     }
 }
 
-/// Writes the request (model rewritten, credential set) and reads the response header,
+/// Writes the request (model rewritten, credential set) and reads the response head,
 /// skipping 1xx, by `first_byte_by`.
 async fn send(
-    session: &mut ServerSession,
+    conn: &mut ClientConn,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
-    up: &mut HttpSession,
+    up: &mut UpConn,
     first_byte_by: Instant,
-) -> Result<ResponseHeader, AttemptEnd> {
+) -> Result<ResponseHead, AttemptEnd> {
     let cfg = &call.req.snap.config;
     let p = &cfg.providers[call.pick.provider];
-    let conn = &p.connections[call.pick.connection];
+    let connection = &p.connections[call.pick.connection];
     let upstream_model =
         call.req
             .snap
             .upstream_model(call.req.model, call.pick.target, &call.req.body.model);
     let body = call.req.body.with_model(upstream_model);
-    let Ok(req) = upstream::request_header(
+    let head = upstream::request_head(
         call.req.header,
         call.req.route.path(),
         p,
-        conn,
+        connection,
         body.len(),
         call.slow,
-    ) else {
-        return Err(broken(
-            TransportKind::Reset,
-            Cause::Reset,
-            "cannot build the upstream request",
-        ));
-    };
+    );
     let exchange = async {
-        up.write_request_header(Box::new(req)).await?;
-        if !body.is_empty() {
-            up.write_request_body(body, true).await?;
-        }
-        up.finish_request_body().await?;
-        // Skip 1xx: reading a body right after a 100 header panics in pingora 0.9.1.
-        loop {
-            up.read_response_header().await?;
-            if !up
-                .response_header()
-                .is_some_and(|h| h.status.is_informational())
-            {
-                return Ok::<(), Box<pingora::Error>>(());
-            }
-        }
+        up.send(head, body).await?;
+        up.read_head(MAX_UPSTREAM_HEADER_BYTES).await
     };
     let written_at = monotonic();
     let limit = first_byte_by.saturating_duration_since(written_at);
-    match watch.race(session, limit, exchange).await {
-        Wait::Ready(Ok(())) => {}
+    let head = match watch.race(conn, limit, exchange).await {
+        Wait::Ready(Ok(head)) => head,
         Wait::Ready(Err(e)) => {
             let at_once = written_at.elapsed() < STALE_WINDOW;
             // A pooled HTTP/1.1 connection closed as it was taken, or an HTTP/2 one the
@@ -311,51 +290,39 @@ async fn send(
             if stale {
                 return Err(broken(TransportKind::Reset, Cause::Reset, STALE));
             }
+            if matches!(e.etype(), pingora::ErrorType::InvalidHTTPHeader) {
+                // Too large, or not HTTP: nothing of it is passed on.
+                let what = e
+                    .context
+                    .as_ref()
+                    .map_or(CONN_FAILED.to_string(), |c| c.as_str().to_owned());
+                return Err(broken(TransportKind::Reset, Cause::Reset, what));
+            }
             let (cause, what) = transport::exchange_failure(&e);
             return Err(broken(TransportKind::Reset, cause, what));
         }
         Wait::TimedOut => return Err(call.timed_out()),
         Wait::ClientGone => return Err(AttemptEnd::ClientGone),
-    }
-    let header = up
-        .response_header()
-        .cloned()
-        .ok_or_else(|| broken(TransportKind::Reset, Cause::Reset, CONN_FAILED))?;
-    if header_bytes(&header) > MAX_UPSTREAM_HEADER_BYTES {
-        return Err(broken(
-            TransportKind::Reset,
-            Cause::Reset,
-            "upstream response header too large",
-        ));
-    }
-    // `http` accepts 100..=999; anything past 599 is not HTTP an upstream may answer.
-    if header.status.as_u16() > 599 {
+    };
+    // Statuses past 599 are not HTTP an upstream may answer.
+    if head.status() > 599 {
         return Err(broken(
             TransportKind::Reset,
             Cause::Reset,
             "invalid upstream status",
         ));
     }
-    Ok(header)
-}
-
-/// The size of a response header's fields as they came on the wire (approximately:
-/// name, value and the `: ` and CRLF around them).
-fn header_bytes(h: &ResponseHeader) -> usize {
-    h.headers
-        .iter()
-        .map(|(k, v)| k.as_str().len() + v.len() + 4)
-        .sum()
+    Ok(head)
 }
 
 /// Response-header phase of an error: read (bounded) and hold it, never commit it.
 async fn hold_error(
-    session: &mut ServerSession,
+    conn: &mut ClientConn,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
-    mut up: HttpSession,
+    mut up: UpConn,
     peer: HttpPeer,
-    header: ResponseHeader,
+    head: ResponseHead,
 ) -> AttemptEnd {
     let mut buf = BytesMut::new();
     let mut complete = false;
@@ -369,10 +336,10 @@ async fn hold_error(
             .await
             .unwrap_or(false);
     };
-    if let Wait::ClientGone = watch.race(session, limit, read).await {
+    if let Wait::ClientGone = watch.race(conn, limit, read).await {
         return AttemptEnd::ClientGone;
     }
-    let (header, body) = redacted(&call.req.snap.redactor, header, &buf);
+    let (headers, body) = redacted(&call.req.snap.redactor, head.to_header_map(), &buf);
     if complete {
         call.req
             .engine
@@ -381,7 +348,8 @@ async fn hold_error(
             .await;
     }
     AttemptEnd::Refused(Box::new(HeldError {
-        header,
+        status: head.status(),
+        headers,
         body,
         pick: call.pick,
     }))
@@ -390,12 +358,12 @@ async fn hold_error(
 /// Reads a response body into `buf` until it ends or holds `limit` bytes; `Ok(true)`
 /// when it ended whole (the connection may then go back to the pool).
 pub(super) async fn read_bounded(
-    up: &mut HttpSession,
+    up: &mut UpConn,
     buf: &mut BytesMut,
     limit: usize,
 ) -> pingora::Result<bool> {
     while buf.len() < limit {
-        match up.read_response_body().await? {
+        match up.read_body().await? {
             Some(c) => buf.extend_from_slice(&c),
             None => return Ok(true),
         }
@@ -407,47 +375,45 @@ pub(super) async fn read_bounded(
 /// body and header values (SPEC §3), before any rule, judge or client sees it.
 /// The body is cut to `ERROR_BODY_LIMIT` after masking, so a credential that straddles
 /// the limit leaves no prefix behind.
-fn redacted(r: &Redactor, mut header: ResponseHeader, body: &[u8]) -> (ResponseHeader, Bytes) {
+fn redacted(r: &Redactor, mut headers: http::HeaderMap, body: &[u8]) -> (http::HeaderMap, Bytes) {
     let body = Bytes::from(r.bytes_within(body, ERROR_BODY_LIMIT));
-    let mut leaked: Vec<http::HeaderName> = header
-        .headers
+    let mut leaked: Vec<http::HeaderName> = headers
         .iter()
         .filter(|(_, v)| matches!(r.bytes(v.as_bytes()), std::borrow::Cow::Owned(_)))
         .map(|(k, _)| k.clone())
         .collect();
     leaked.dedup();
     for name in leaked {
-        let values: Vec<Vec<u8>> = header
-            .headers
+        let values: Vec<Vec<u8>> = headers
             .get_all(&name)
             .iter()
             .map(|v| r.bytes(v.as_bytes()).into_owned())
             .collect();
-        header.remove_header(&name);
+        headers.remove(&name);
         for v in values
             .into_iter()
             .filter_map(|v| http::HeaderValue::from_bytes(&v).ok())
         {
-            let _ = header.append_header(name.clone(), v);
+            headers.append(name.clone(), v);
         }
     }
-    (header, body)
+    (headers, body)
 }
 
 /// The first body chunk of a 2xx, before commit, so a silent upstream is still a
 /// failover. `None` when the body is empty.
 async fn first_chunk(
-    session: &mut ServerSession,
+    conn: &mut ClientConn,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
-    up: &mut HttpSession,
+    up: &mut UpConn,
     first_byte_by: Instant,
 ) -> Result<Option<Bytes>, AttemptEnd> {
-    if up.response_done() {
+    if up.is_done() {
         return Ok(None);
     }
     let limit = first_byte_by.saturating_duration_since(monotonic());
-    match watch.race(session, limit, up.read_response_body()).await {
+    match watch.race(conn, limit, up.read_body()).await {
         Wait::Ready(Ok(c)) => Ok(c),
         Wait::Ready(Err(_)) => Err(broken(
             TransportKind::Reset,
@@ -459,32 +425,17 @@ async fn first_chunk(
     }
 }
 
-/// The commit point: the response header goes to the client.
-async fn commit(session: &mut ServerSession, ctx: &mut RequestCtx, mut c: Committed) -> AttemptEnd {
-    let chunked = upstream::client_takes_chunked(session);
-    let Ok(resp) = upstream::response_header(&c.header, chunked, ctx.sluice_headers()) else {
-        return broken(
-            TransportKind::Reset,
-            Cause::Reset,
-            "invalid upstream response header",
-        );
-    };
+/// The commit point: the response head is written for the client; it leaves with the
+/// first body bytes.
+fn commit(conn: &mut ClientConn, ctx: &mut RequestCtx, mut c: Committed) -> AttemptEnd {
     c.is_sse = c
-        .header
-        .headers
+        .head
         .get("content-type")
-        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-    if c.first.as_ref().is_some_and(|b| !b.is_empty()) {
-        // The first chunk is in hand and is written next: it takes the header along.
-        // (An empty one writes nothing, so the header must not wait for it.)
-        frontdoor::hold_next_flush(session);
-    }
-    let written = session.write_response_header(Box::new(resp)).await;
-    frontdoor::release_flush(session);
-    if written.is_err() {
-        return AttemptEnd::ClientGone;
-    }
-    ctx.status = c.header.status.as_u16();
+        .is_some_and(|v| v.starts_with(b"text/event-stream"));
+    let mut h = conn.head(c.head.status());
+    upstream::response_head(&mut h, &c.head, &ctx.sluice_headers());
+    h.end(upstream::body_size(&c.head));
+    ctx.status = c.head.status();
     ctx.ttfb = Some(ctx.started.elapsed());
     AttemptEnd::Committed(Box::new(c))
 }

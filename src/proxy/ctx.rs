@@ -9,8 +9,8 @@ use super::body::ParsedBody;
 use super::routes::Route;
 use crate::config::{Client, Family};
 use crate::engine::{Engine, Snapshot};
+use crate::http1::RequestHead;
 use crate::policy::lease::Lease;
-use pingora::http::RequestHeader;
 use serde_json::{json, Value};
 use std::borrow::Cow;
 use std::time::{Duration, Instant};
@@ -26,7 +26,7 @@ pub struct Request<'a> {
     pub family: Family,
     pub client: Option<&'a Client>,
     pub body: ParsedBody,
-    pub header: &'a RequestHeader,
+    pub header: &'a RequestHead,
     /// The exclusive lease the request presented (already checked by the fence).
     pub lease: Option<Lease>,
     /// Session affinity pin key, when the request carries a session header.
@@ -49,9 +49,6 @@ pub struct RequestCtx {
     pub records: Vec<AttemptRecord>,
     /// Error code or abort reason worth logging.
     pub note: Option<&'static str>,
-    /// The client connection is being cut on purpose (a body that failed after the
-    /// commit point must not be framed as complete): nothing more may be written.
-    pub cut: bool,
     /// Counts the request as in flight for the drain until the context is dropped.
     pub active: Option<crate::server::lifecycle::Active>,
 }
@@ -69,7 +66,6 @@ impl RequestCtx {
             ttfb: None,
             records: Vec::new(),
             note: None,
-            cut: false,
             active: None,
         }
     }

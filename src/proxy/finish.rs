@@ -9,15 +9,17 @@
 use super::access::{AccessLog, Entry};
 use super::routes::Route;
 use super::RequestCtx;
+use super::Stop;
 use crate::engine::Engine;
-use pingora::protocols::http::ServerSession;
+use crate::http1::RequestHead;
 
 /// Records `ctx`'s request in the metrics and writes its access line.
 pub fn record(
     engine: &Engine,
     log: &AccessLog,
-    session: &ServerSession,
-    e: Option<&pingora::Error>,
+    head: &RequestHead,
+    bytes_out: u64,
+    e: Option<&Stop>,
     ctx: &RequestCtx,
 ) {
     let m = &engine.metrics;
@@ -46,15 +48,14 @@ pub fn record(
     if !log.enabled() {
         return;
     }
-    let req = session.req_header();
     let (provider, connection, upstream_model) = match &ctx.pick {
         Some((p, c, m)) => (p.as_str(), c.as_str(), m.as_str()),
         None => ("", "", ""),
     };
     log.write(&Entry {
         at: engine.now(),
-        method: req.method.as_str(),
-        path: req.uri.path(),
+        method: head.method(),
+        path: head.path(),
         route,
         client: ctx.client_id.as_deref(),
         model: &ctx.model_label,
@@ -67,8 +68,8 @@ pub fn record(
         note: ctx.note,
         ttfb_ms: ctx.ttfb.map(|t| t.as_millis() as u64),
         duration_ms: elapsed.as_millis() as u64,
-        bytes_out: session.body_bytes_sent(),
-        error: e.map(|e| e.etype().as_str()),
+        bytes_out: bytes_out as usize,
+        error: e.map(Stop::label),
     });
 }
 

@@ -15,8 +15,8 @@ use crate::error::ClientError;
 use crate::policy::lease::{Lease, LeaseError};
 use crate::policy::timefmt::format_rfc3339;
 use crate::policy::{retry_after_secs, Millis};
+use crate::server::conn::ClientConn;
 use crate::store::StoreError;
-use pingora::protocols::http::ServerSession;
 use serde::Deserialize;
 use serde_json::json;
 use std::time::Duration;
@@ -68,26 +68,20 @@ fn lease_error(e: LeaseError, now: u64) -> ClientError {
 }
 
 async fn answer(
-    session: &mut ServerSession,
+    conn: &mut ClientConn,
     ctx: &mut RequestCtx,
     result: Result<serde_json::Value, ClientError>,
-) -> pingora::Result<()> {
+) -> super::Answered {
     match result {
         Ok(v) => {
             ctx.status = 200;
-            respond::write_local(
-                session,
-                200,
-                "application/json",
-                &[],
-                serde_json::to_vec(&v).unwrap_or_default(),
-            )
-            .await?;
+            let body = serde_json::to_vec(&v).unwrap_or_default();
+            respond::write_local(conn, 200, "application/json", &[], &body).await?;
         }
         Err(e) => {
             ctx.status = e.status();
             ctx.note = Some(e.code.as_str());
-            respond::write_error(session, Family::OpenAi, &e, Vec::new()).await?;
+            respond::write_error(conn, Family::OpenAi, &e, Vec::new()).await?;
         }
     }
     Ok(())
@@ -96,18 +90,18 @@ async fn answer(
 pub async fn handle(
     engine: &Engine,
     snap: &Snapshot,
-    session: &mut ServerSession,
+    conn: &mut ClientConn,
     client: Option<&Client>,
     ctx: &mut RequestCtx,
-) -> pingora::Result<()> {
-    let result = run(engine, snap, session, client).await;
-    answer(session, ctx, result).await
+) -> super::Answered {
+    let result = run(engine, snap, conn, client).await;
+    answer(conn, ctx, result).await
 }
 
 async fn run(
     engine: &Engine,
     snap: &Snapshot,
-    session: &mut ServerSession,
+    conn: &mut ClientConn,
     client: Option<&Client>,
 ) -> Result<serde_json::Value, ClientError> {
     let client = client
@@ -123,7 +117,7 @@ async fn run(
                 "this client key lacks the lease:exclusive scope or an allowed_connections list",
             )
         })?;
-    let raw = read_body(session, 64 * 1024).await?;
+    let raw = read_body(conn, 64 * 1024).await?;
     let req: LeaseRequest = serde_json::from_slice(&raw)
         .map_err(|e| ClientError::invalid_request(format!("lease request: {e}")))?;
     let ttl = req.ttl_s.map(Duration::from_secs);

@@ -1,17 +1,14 @@
-//! Pingora glue for the client listener: the gateway is Pingora's `HttpServerApp`.
+//! The gateway: each client connection's requests, answered one after the other.
 //!
-//! Each request of a client connection is one `process_new_http` call: the header is
-//! read (or the connection ends at shutdown), `answer` runs the admit phase (auth,
-//! size, JSON, model) and hands the request to `pipeline`, which runs the attempts and
-//! writes a complete response — or asks for the client connection to be cut when a
-//! committed body failed, which `failed` then does without writing a byte. The finish
-//! phase (`finish::record`) runs exactly once per request, whatever happened, and the
-//! connection is offered back for its next request only after a clean answer. A
-//! connection waiting for its next request ends when the server shuts down.
+//! Each request is read by the connection (`server::conn`), then `answer` runs the
+//! admit phase (auth, size, JSON, model) and hands it to `pipeline`, which runs the
+//! attempts and writes a complete response — or stops with [`Stop::Cut`] when a
+//! committed body failed, and the connection is then dropped without another byte. The
+//! finish phase (`finish::record`) runs exactly once per request, whatever happened,
+//! and the connection carries the next request only after a clean answer.
 //!
-//! The gateway answers every route itself, so it skips pingora-proxy's per-request
-//! session (cache, modules, the upstream proxy state machine) and its cost. The glue
-//! stays thin; the decisions live in `policy::failover`, `engine` and `routing`.
+//! The glue stays thin; the decisions live in `policy::failover`, `engine` and
+//! `routing`, the HTTP/1 work in `http1` and `server::conn`.
 
 pub mod access;
 pub mod admit;
@@ -20,6 +17,7 @@ pub mod body;
 pub mod ctx;
 pub mod finish;
 pub mod framing;
+pub mod h1;
 pub mod leases;
 pub mod pipeline;
 pub mod pool;
@@ -30,6 +28,7 @@ pub mod routes;
 pub mod stream;
 pub mod subscription;
 pub mod transport;
+pub mod upconn;
 pub mod upstream;
 pub mod watch;
 
@@ -38,14 +37,13 @@ use crate::codes::ErrorCode;
 use crate::config::Family;
 use crate::engine::Engine;
 use crate::error::ClientError;
-use crate::server::frontdoor;
+use crate::http1::RequestHead;
+use crate::server::conn::{ClientConn, Incoming};
+use crate::server::frontdoor::ConnApp;
+use crate::server::lifecycle::Active;
 use access::AccessLog;
-use async_trait::async_trait;
 use ctx::Request;
 pub use ctx::RequestCtx;
-use pingora::apps::{HttpPersistentSettings, HttpServerApp, ReusedHttpStream};
-use pingora::protocols::http::ServerSession;
-use pingora::server::ShutdownWatch;
 use routes::Route;
 use serde_json::json;
 use std::borrow::Cow;
@@ -57,88 +55,72 @@ pub struct Gateway {
     access: AccessLog,
 }
 
-/// Resolves once the server shuts down (never, if its watch is gone). The watch's
-/// waiters are sharded by tokio, so connections waiting on it do not share one lock.
-async fn until_shutdown(shutdown: &ShutdownWatch) {
-    let mut stopping = shutdown.clone();
-    if stopping.wait_for(|s| *s).await.is_err() {
-        std::future::pending::<()>().await;
+/// Why an answer stopped short; the client connection then closes.
+#[derive(Debug)]
+pub enum Stop {
+    /// A committed body failed: the connection is cut on purpose, so the client cannot
+    /// take what it got for a complete answer (SPEC §2 stream).
+    Cut,
+    /// The client connection failed while the answer was being written.
+    Client(std::io::Error),
+}
+
+impl Stop {
+    /// The access log's `error` word.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Stop::Cut => "sluice_cut",
+            Stop::Client(_) => "WriteError",
+        }
     }
 }
+
+impl From<std::io::Error> for Stop {
+    fn from(e: std::io::Error) -> Stop {
+        Stop::Client(e)
+    }
+}
+
+/// An answer: complete, or stopped short.
+pub type Answered = Result<(), Stop>;
 
 impl Gateway {
     pub fn new(engine: Arc<Engine>, access: AccessLog) -> Self {
         Self { engine, access }
     }
 
-    /// Reads the next request's header: false when there is none to answer (the client
-    /// closed, the server is shutting down, or the header was refused and answered).
-    async fn read_request(&self, session: &mut ServerSession, shutdown: &ShutdownWatch) -> bool {
-        let read = tokio::select! {
-            // A request already buffered is answered, not dropped.
-            biased;
-            r = session.read_request() => r,
-            _ = until_shutdown(shutdown) => return false,
-        };
-        let refused = match read {
-            Ok(true) if session.req_header().method != http::Method::CONNECT => return true,
-            Ok(true) => 405,
-            Ok(false) => return false,
-            Err(e) if matches!(e.etype(), pingora::ErrorType::InvalidHTTPHeader) => 400,
-            Err(e) => {
-                // A cut by the connection's header guard, or a broken connection.
-                tracing::error!(error = %e, "client request not read; connection closed");
-                session.shutdown().await;
-                return false;
-            }
-        };
-        // Written before the gateway saw a request: the connection's wrapper turns it
-        // into the JSON error. CONNECT would change the message framing: not served.
-        let _ = session.respond_error(refused).await;
-        session.shutdown().await;
-        false
-    }
-
-    /// Answers one request completely: a response written, or an error when the client
-    /// went away or the connection must be cut.
+    /// Answers one request completely: a response written, or a [`Stop`].
     async fn answer(
         &self,
-        session: &mut ServerSession,
+        conn: &mut ClientConn,
+        head: &RequestHead,
         ctx: &mut RequestCtx,
-    ) -> pingora::Result<()> {
-        let found = {
-            let h = session.req_header();
-            Route::from_request(h.method.as_str(), h.uri.path())
-        };
-        let Some(route) = found else {
-            // Owned copies only on this path: the session is lent to the answer.
-            let h = session.req_header();
-            let (method, path) = (h.method.as_str().to_string(), h.uri.path().to_string());
-            return self.no_route(session, ctx, &method, &path).await;
+    ) -> Answered {
+        let Some(route) = Route::from_request(head.method(), head.path()) else {
+            return self.no_route(conn, ctx, head.method(), head.path()).await;
         };
         ctx.route = Some(route);
         let family = route.family();
         let snap = self.engine.snapshot();
-        let client = match admit::client(&snap, session) {
+        let client = match admit::client(&snap, head) {
             Ok(c) => c,
-            Err(e) => return self.reject(session, ctx, family, e).await,
+            Err(e) => return self.reject(conn, ctx, family, e).await,
         };
         ctx.client_id = client.map(|c| c.id.clone());
         match route {
-            Route::Models => return self.models(session, ctx).await,
+            Route::Models => return self.models(conn, ctx).await,
             Route::SessionLeases => {
-                return leases::handle(&self.engine, &snap, session, client, ctx).await
+                return leases::handle(&self.engine, &snap, conn, client, ctx).await
             }
             _ => {}
         }
-        let a = match admit::admit(&self.engine, &snap, session, family, client).await {
+        let a = match admit::admit(&self.engine, &snap, conn, head, family, client).await {
             Ok(a) => a,
-            Err(e) => return self.reject(session, ctx, family, e).await,
+            Err(e) => return self.reject(conn, ctx, family, e).await,
         };
         ctx.model_label = Cow::Owned(snap.config.models[a.model].name.clone());
 
         // select → connect → response → stream, per attempt
-        let header = session.req_header().clone();
         let request = Request {
             engine: &self.engine,
             snap: &snap,
@@ -147,62 +129,40 @@ impl Gateway {
             family,
             client,
             body: a.body,
-            header: &header,
+            header: head,
             lease: a.lease,
             pin_key: a.pin_key,
         };
-        pipeline::run(session, request, ctx).await
-    }
-
-    /// A request that ended in an error. A response already (partly) written is never
-    /// followed by an error page: a cut connection is dropped as it is, without a
-    /// terminating chunk (SPEC §2 stream). Otherwise Pingora's error page answers.
-    async fn failed(&self, session: &mut ServerSession, e: &pingora::Error, ctx: &RequestCtx) {
-        if ctx.cut {
-            // Deliberate: the access line records it.
-            return;
-        }
-        let code = if session.response_written().is_some() {
-            0
-        } else {
-            let code = match e.etype() {
-                pingora::ErrorType::HTTPStatus(code) => *code,
-                _ if e.esource() == &pingora::ErrorSource::Downstream => 400,
-                _ => 500,
-            };
-            let _ = session.respond_error(code).await;
-            code
-        };
-        tracing::error!(error = %e, status = code, request = %session.request_summary(), "request failed");
+        pipeline::run(conn, request, ctx).await
     }
 
     async fn reject(
         &self,
-        session: &mut ServerSession,
+        conn: &mut ClientConn,
         ctx: &mut RequestCtx,
         family: Family,
         e: ClientError,
-    ) -> pingora::Result<()> {
+    ) -> Answered {
         ctx.status = e.status();
         ctx.note = Some(e.code.as_str());
-        respond::write_error(session, family, &e, Vec::new()).await
+        respond::write_error(conn, family, &e, Vec::new()).await
     }
 
     /// 405 (with `Allow`) for a route's path under another method, else 404.
     async fn no_route(
         &self,
-        session: &mut ServerSession,
+        conn: &mut ClientConn,
         ctx: &mut RequestCtx,
         method: &str,
         path: &str,
-    ) -> pingora::Result<()> {
+    ) -> Answered {
         let path = routes::normalize(path);
         let Some(route) = Route::by_path(&path) else {
             let e = ClientError::new(
                 ErrorCode::RouteNotFound,
                 format!("no route for {method} {path}"),
             );
-            return self.reject(session, ctx, Family::OpenAi, e).await;
+            return self.reject(conn, ctx, Family::OpenAi, e).await;
         };
         let e = ClientError::new(
             ErrorCode::MethodNotAllowed,
@@ -211,14 +171,10 @@ impl Gateway {
         ctx.status = e.status();
         ctx.note = Some(e.code.as_str());
         let allow = vec![("allow", route.method().to_string())];
-        respond::write_error(session, route.family(), &e, allow).await
+        respond::write_error(conn, route.family(), &e, allow).await
     }
 
-    async fn models(
-        &self,
-        session: &mut ServerSession,
-        ctx: &mut RequestCtx,
-    ) -> pingora::Result<()> {
+    async fn models(&self, conn: &mut ClientConn, ctx: &mut RequestCtx) -> Answered {
         let snap = self.engine.snapshot();
         let data: Vec<_> = snap
             .config
@@ -230,40 +186,48 @@ impl Gateway {
             .collect();
         let body = serde_json::to_vec(&json!({"object": "list", "data": data})).unwrap_or_default();
         ctx.status = 200;
-        respond::write_local(session, 200, "application/json", &[], body).await
+        respond::write_local(conn, 200, "application/json", &[], &body).await
+    }
+
+    /// Serves one client connection's requests until it closes or may not carry more.
+    async fn serve_conn(&self, mut conn: ClientConn, arriving: Active) {
+        let mut arriving = Some(arriving);
+        while let Incoming::Request(head) = conn.next_request().await {
+            let mut ctx = RequestCtx::new(monotonic());
+            ctx.active = Some(self.engine.lifecycle.enter());
+            drop(arriving.take());
+            let stop = self.answer(&mut conn, &head, &mut ctx).await.err();
+            match &stop {
+                // Deliberate: the access line records it.
+                Some(Stop::Cut) | None => {}
+                Some(Stop::Client(e)) => {
+                    tracing::info!(error = %e, method = head.method(), path = head.path(),
+                        "client connection failed while it was answered");
+                }
+            }
+            finish::record(
+                &self.engine,
+                &self.access,
+                &head,
+                conn.body_sent(),
+                stop.as_ref(),
+                &ctx,
+            );
+            if stop.is_some() || !conn.reusable() {
+                if stop.is_none() {
+                    conn.close().await;
+                }
+                // The connection closes before the request stops counting as in flight.
+                drop(conn);
+                drop(ctx);
+                return;
+            }
+        }
     }
 }
 
-#[async_trait]
-impl HttpServerApp for Gateway {
-    async fn process_new_http(
-        self: &Arc<Self>,
-        mut session: ServerSession,
-        shutdown: &ShutdownWatch,
-    ) -> Option<ReusedHttpStream> {
-        if !self.read_request(&mut session, shutdown).await {
-            return None;
-        }
-        if *shutdown.borrow() {
-            session.set_keepalive(None);
-        }
-        let mut ctx = RequestCtx::new(monotonic());
-        ctx.active = Some(self.engine.lifecycle.enter());
-        // The header is in: the connection's header guard stands down for this request.
-        frontdoor::header_done(&session);
-        let error = self.answer(&mut session, &mut ctx).await.err();
-        if let Some(e) = &error {
-            self.failed(&mut session, e, &ctx).await;
-        }
-        finish::record(&self.engine, &self.access, &session, error.as_deref(), &ctx);
-        if error.is_some() {
-            // The connection closes before the request stops counting as in flight.
-            drop(session);
-            drop(ctx);
-            return None;
-        }
-        let settings = HttpPersistentSettings::for_session(&session);
-        let reusable = session.finish().await.ok().flatten()?;
-        Some(ReusedHttpStream::from_reusable_stream(reusable, settings))
+impl ConnApp for Gateway {
+    async fn serve(self: Arc<Self>, conn: ClientConn, arriving: Active) {
+        self.serve_conn(conn, arriving).await
     }
 }

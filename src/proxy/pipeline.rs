@@ -9,7 +9,7 @@
 //! starts and bounds every step; nothing reaches the client before the commit point,
 //! after it nothing fails over; a breaker probe or permit taken for an attempt that
 //! never ran is given back; a body that fails after commit is cut, never completed
-//! (`Err` to `Gateway::failed`, which then drops the connection).
+//! (`Stop::Cut`: the gateway then drops the connection).
 
 use super::attempt::{attempt, AttemptEnd, Call, HeldError, Inflight};
 use super::ctx::{AttemptRecord, Request, RequestCtx};
@@ -29,17 +29,13 @@ use crate::engine::{Pick, Selection};
 use crate::policy::breaker::Permit;
 use crate::policy::failover::{Answer, Failover, Limits, Next, Offer, Queued, Refusal};
 use crate::policy::{ms, retry_after_secs, Millis};
-use pingora::protocols::http::ServerSession;
+use crate::server::conn::ClientConn;
 use std::time::{Duration, Instant};
 
 /// Runs the request's attempts until one commits or the machine answers; leaves a
 /// complete response on `session`, or returns `Err` when the client connection must be
 /// cut (a committed body that failed).
-pub async fn run(
-    session: &mut ServerSession,
-    req: Request<'_>,
-    ctx: &mut RequestCtx,
-) -> pingora::Result<()> {
+pub async fn run(conn: &mut ClientConn, req: Request<'_>, ctx: &mut RequestCtx) -> super::Answered {
     let now = req.engine.now();
     let exec = req.snap.config.resilience.queue.execution_timeout;
     let mut fsm = Failover::new(limits(&req, now, exec));
@@ -55,18 +51,18 @@ pub async fn run(
     loop {
         next = match next {
             Next::Select => d.select(&mut fsm).await,
-            Next::Attempt(pick) => match d.attempt(session, &mut fsm, pick, ctx).await {
+            Next::Attempt(pick) => match d.attempt(conn, &mut fsm, pick, ctx).await {
                 Step::Next(n) => n,
                 Step::Done(result) => return result,
             },
-            Next::Queue { until, fail_open } => d.queue(session, &mut fsm, until, fail_open).await,
+            Next::Queue { until, fail_open } => d.queue(conn, &mut fsm, until, fail_open).await,
             Next::RelocateLease => {
                 d.relocate_lease().await;
                 fsm.on_lease_relocated()
             }
-            Next::Wait { until } => d.combo_wait(session, until).await,
+            Next::Wait { until } => d.combo_wait(conn, until).await,
             Next::Fallback { model } => d.fall_back(model),
-            Next::Answer(a) => return d.answer(session, a, ctx).await,
+            Next::Answer(a) => return d.answer(conn, a, ctx).await,
         };
     }
 }
@@ -112,7 +108,7 @@ struct Slot {
 
 enum Step {
     Next(Next),
-    Done(pingora::Result<()>),
+    Done(super::Answered),
 }
 
 struct Driver<'a> {
@@ -177,7 +173,7 @@ impl Driver<'_> {
 
     async fn attempt(
         &mut self,
-        session: &mut ServerSession,
+        conn: &mut ClientConn,
         fsm: &mut Failover,
         pick: Pick,
         ctx: &mut RequestCtx,
@@ -191,7 +187,7 @@ impl Driver<'_> {
         let engine = self.req.engine;
         let inflight = Inflight::start(&self.req, pick);
         let mut probe = slot.probe;
-        let (end, started) = self.attempt_rounds(session, pick, &mut probe, ctx).await;
+        let (end, started) = self.attempt_rounds(conn, pick, &mut probe, ctx).await;
         if matches!(end, AttemptEnd::Committed(_)) {
             // No attempt follows a commit: the client's body need not outlive its stream.
             self.req.body.release();
@@ -209,7 +205,7 @@ impl Driver<'_> {
         }
         match end {
             AttemptEnd::Committed(c) => {
-                let end = stream(session, &mut self.watch, &self.req, self.deadline, *c).await;
+                let end = stream(conn, &mut self.watch, &self.req, self.deadline, *c).await;
                 drop((inflight, slot));
                 return Step::Done(stream_ended(engine, &info, end, ctx));
             }
@@ -229,7 +225,7 @@ impl Driver<'_> {
     /// by another request) is not sent to again: the busy answer is settled instead.
     async fn attempt_rounds(
         &mut self,
-        session: &mut ServerSession,
+        conn: &mut ClientConn,
         pick: Pick,
         probe: &mut bool,
         ctx: &mut RequestCtx,
@@ -244,14 +240,13 @@ impl Driver<'_> {
                 deadline: self.deadline,
                 slow: engine.lane_active(self.req.snap, pick),
             };
-            let end = attempt(session, &mut self.watch, &call, ctx).await;
-            let wait = match subscription::after(session, &mut self.watch, &call, &end, &mut rounds)
-                .await
-            {
-                Then::Settle => return (end, started),
-                Then::Gone => return (AttemptEnd::ClientGone, started),
-                Then::Again(wait) => wait,
-            };
+            let end = attempt(conn, &mut self.watch, &call, ctx).await;
+            let wait =
+                match subscription::after(conn, &mut self.watch, &call, &end, &mut rounds).await {
+                    Then::Settle => return (end, started),
+                    Then::Gone => return (AttemptEnd::ClientGone, started),
+                    Then::Again(wait) => wait,
+                };
             if wait.is_zero() {
                 continue;
             }
@@ -259,7 +254,7 @@ impl Driver<'_> {
                 let a = info(&self.req, pick, started, true, false);
                 engine.record(&a, Outcome::Abandoned);
             }
-            if !self.watch.sleep(session, wait).await {
+            if !self.watch.sleep(conn, wait).await {
                 return (AttemptEnd::ClientGone, started);
             }
             if !self.runnable(pick) {
@@ -286,7 +281,7 @@ impl Driver<'_> {
 
     async fn queue(
         &mut self,
-        session: &mut ServerSession,
+        conn: &mut ClientConn,
         fsm: &mut Failover,
         until: Millis,
         fail_open: bool,
@@ -294,15 +289,21 @@ impl Driver<'_> {
         let engine = self.req.engine;
         let limit = Duration::from_millis(until.saturating_sub(engine.now()));
         let full = std::mem::take(&mut self.full);
-        let queued =
-            match wait_for_permit(session, &mut self.watch, &self.req, &full, limit, fail_open)
-                .await
-            {
-                Permitted::Got(c, permit) => self.recheck(fsm, c, permit),
-                Permitted::Full => Queued::Full,
-                Permitted::TimedOut => Queued::TimedOut,
-                Permitted::ClientGone => return Next::Answer(Answer::ClientGone),
-            };
+        let queued = match wait_for_permit(
+            conn,
+            &mut self.watch,
+            &self.req,
+            &full,
+            limit,
+            fail_open,
+        )
+        .await
+        {
+            Permitted::Got(c, permit) => self.recheck(fsm, c, permit),
+            Permitted::Full => Queued::Full,
+            Permitted::TimedOut => Queued::TimedOut,
+            Permitted::ClientGone => return Next::Answer(Answer::ClientGone),
+        };
         fsm.on_queued(queued, engine.now())
     }
 
@@ -348,11 +349,11 @@ impl Driver<'_> {
         }
     }
 
-    async fn combo_wait(&mut self, session: &mut ServerSession, until: Millis) -> Next {
+    async fn combo_wait(&mut self, conn: &mut ClientConn, until: Millis) -> Next {
         let r = &self.req;
         let wait = Duration::from_millis(until.saturating_sub(r.engine.now()));
         tracing::info!(model = %r.snap.config.models[r.model].name, wait_ms = wait.as_millis() as u64, "combo wait");
-        if self.watch.sleep(session, wait).await {
+        if self.watch.sleep(conn, wait).await {
             Next::Select
         } else {
             Next::Answer(Answer::ClientGone)
@@ -369,10 +370,10 @@ impl Driver<'_> {
 
     async fn answer(
         &mut self,
-        session: &mut ServerSession,
+        conn: &mut ClientConn,
         answer: Answer,
         ctx: &mut RequestCtx,
-    ) -> pingora::Result<()> {
+    ) -> super::Answered {
         self.release_slot();
         match answer {
             Answer::Committed => Ok(()),
@@ -384,7 +385,7 @@ impl Driver<'_> {
             Answer::PassThrough => match self.held.take() {
                 Some((err, v)) => {
                     ctx.pick = Some(names(&self.req, err.pick));
-                    respond::pass_through(session, err, &v, ctx).await
+                    respond::pass_through(conn, err, &v, ctx).await
                 }
                 None => {
                     let r = Refusal {
@@ -394,19 +395,19 @@ impl Driver<'_> {
                         excluded: Vec::new(),
                         with_attempts: true,
                     };
-                    self.refuse(session, &r, ctx).await
+                    self.refuse(conn, &r, ctx).await
                 }
             },
-            Answer::Refuse(r) => self.refuse(session, &r, ctx).await,
+            Answer::Refuse(r) => self.refuse(conn, &r, ctx).await,
         }
     }
 
     async fn refuse(
         &self,
-        session: &mut ServerSession,
+        conn: &mut ClientConn,
         r: &Refusal,
         ctx: &mut RequestCtx,
-    ) -> pingora::Result<()> {
+    ) -> super::Answered {
         let engine = self.req.engine;
         let now = engine.now();
         let model = &self.req.snap.config.models[self.req.model].name;
@@ -434,7 +435,7 @@ impl Driver<'_> {
                 .inc();
         }
         let e = respond::refusal_error(&self.req, r, ctx, now);
-        respond::finish_error(session, self.req.family, e, ctx).await
+        respond::finish_error(conn, self.req.family, e, ctx).await
     }
 
     /// A probe taken for an attempt that will not run goes back to the breaker (the
@@ -488,12 +489,12 @@ fn info<'r>(
 fn outcome_of(end: &AttemptEnd) -> AttemptOutcome<'_> {
     match end {
         AttemptEnd::Committed(c) => AttemptOutcome::Committed {
-            headers: &c.header.headers,
+            headers: &*c.head,
             latency: c.latency,
         },
         AttemptEnd::Refused(e) => AttemptOutcome::Refused {
-            status: e.header.status.as_u16(),
-            headers: &e.header.headers,
+            status: e.status,
+            headers: &e.headers,
             body: &e.body,
         },
         AttemptEnd::Transport(b) => AttemptOutcome::Transport {
@@ -512,18 +513,14 @@ fn stream_ended(
     info: &AttemptInfo<'_>,
     end: StreamEnd,
     ctx: &mut RequestCtx,
-) -> pingora::Result<()> {
+) -> super::Answered {
     let StreamEnd::Aborted { reason, cut } = end else {
         return Ok(());
     };
     engine.settle_stream(info, reason);
     ctx.note = Some(reason.as_str());
     if cut {
-        ctx.cut = true;
-        return Err(pingora::Error::explain(
-            pingora::ErrorType::Custom("sluice_cut"),
-            reason.as_str(),
-        ));
+        return Err(super::Stop::Cut);
     }
     Ok(())
 }

@@ -1,13 +1,10 @@
 //! Upstream HTTP/1.1 connections: Pingora's transport connector connects (TCP, TLS,
-//! connect timeouts); Sluice keeps the idle ones and writes each request in one send.
+//! connect timeouts); Sluice keeps the idle ones, and speaks HTTP/1.1 on them with its
+//! own codec (`proxy::h1`), which writes each request in one send.
 //!
-//! Pingora's own `Connector` costs two things per request that this module avoids
-//! (measured in `bench/RESULTS.md`): its HTTP/1 session flushes the request header
-//! before the body is written, so a small request leaves as two sends; and its pool
-//! parks a watcher task on every idle connection, so taking one is a hand-off from that
-//! task (a wake-up and a lock passed between tasks). Here [`OneSend`] holds written
-//! bytes until the first read — an HTTP/1 client reads only after its request is
-//! written — and an idle connection is a plain value in a per-peer list, newest last.
+//! Pingora's own `Connector` parks a watcher task on every idle connection, so taking
+//! one is a hand-off from that task (a wake-up and a lock passed between tasks). Here an
+//! idle connection is a plain value in a per-peer list, newest last.
 //!
 //! Invariants: a connection is either in the list or in use, never both; one taken from
 //! the list is checked without blocking first (closed by the upstream, or holding bytes
@@ -17,23 +14,20 @@
 //! are dropped whenever their peer's list is touched, and a sweeper task (started by the
 //! first release) closes expired and upstream-closed ones everywhere every 10 s.
 
+use super::h1::H1;
+use super::upconn::UpConn;
 use crate::engine::state::lock;
-use async_trait::async_trait;
 use pingora::connectors::{ConnectorOptions, TransportConnector};
-use pingora::protocols::http::client::HttpSession;
-use pingora::protocols::http::v1::client::HttpSession as H1Session;
-use pingora::protocols::tls::{SslDigest, TlsRef};
-use pingora::protocols::{Shutdown, Ssl, Stream, ALPN};
+use pingora::protocols::Stream;
 use pingora::upstreams::peer::{HttpPeer, Peer};
 use std::collections::HashMap;
 use std::future::Future;
-use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, ReadBuf};
 
 /// Idle connections kept per peer.
 pub const IDLE_PER_PEER: usize = 128;
@@ -147,12 +141,13 @@ impl Upstreams {
 
     /// An HTTP/1.1 session to `peer`: an idle connection if one is still good (`true`),
     /// else a new one.
-    pub async fn session(&self, peer: &HttpPeer) -> pingora::Result<(HttpSession, bool)> {
+    pub async fn session(&self, peer: &HttpPeer) -> pingora::Result<(UpConn, bool)> {
         if super::transport::multiplexed(peer) {
-            return Box::pin(self.multiplexing.get_http_session(peer)).await;
+            let (s, reused) = Box::pin(self.multiplexing.get_http_session(peer)).await?;
+            return Ok((UpConn::H2(Box::new(s)), reused));
         }
         if let Some(stream) = self.take(pool_key(peer), crate::clock::monotonic()) {
-            return Ok((session(stream, peer), true));
+            return Ok((UpConn::H1(H1::new(stream)), true));
         }
         Ok((self.fresh(peer).await?, false))
     }
@@ -163,12 +158,13 @@ impl Upstreams {
     /// Pingora's connect futures (TCP, TLS handshake, HTTP/2 setup) are boxed: inline,
     /// they made every request's future ~19 KB larger, held for a stream's whole life,
     /// although most requests take a pooled connection and never run them.
-    pub async fn fresh(&self, peer: &HttpPeer) -> pingora::Result<HttpSession> {
+    pub async fn fresh(&self, peer: &HttpPeer) -> pingora::Result<UpConn> {
         if super::transport::multiplexed(peer) {
-            return Ok(Box::pin(self.multiplexing.get_http_session(peer)).await?.0);
+            let (s, _) = Box::pin(self.multiplexing.get_http_session(peer)).await?;
+            return Ok(UpConn::H2(Box::new(s)));
         }
         let stream = Box::pin(self.transport.new_stream(peer)).await?;
-        Ok(session(Box::new(OneSend::new(stream)), peer))
+        Ok(UpConn::H1(H1::new(stream)))
     }
 
     fn take(&self, key: u64, now: Instant) -> Option<Stream> {
@@ -195,18 +191,17 @@ impl Upstreams {
 
     /// Returns a session whose exchange ended: kept when the response was read to its
     /// end and both sides allow keep-alive, closed otherwise.
-    pub async fn release(&self, session: HttpSession, peer: &HttpPeer, idle_timeout: Duration) {
-        if super::transport::multiplexed(peer) {
-            self.multiplexing
-                .release_http_session(session, peer, Some(idle_timeout))
-                .await;
-            return;
-        }
-        let HttpSession::H1(mut h1) = session else {
-            return;
+    pub async fn release(&self, session: UpConn, peer: &HttpPeer, idle_timeout: Duration) {
+        let h1 = match session {
+            UpConn::H2(h2) => {
+                self.multiplexing
+                    .release_http_session(*h2, peer, Some(idle_timeout))
+                    .await;
+                return;
+            }
+            UpConn::H1(h1) => h1,
         };
-        h1.respect_keepalive();
-        let Some(stream) = h1.reuse().await else {
+        let Some(stream) = h1.into_idle() else {
             return;
         };
         if !self.sweeping.swap(true, Ordering::AcqRel) && !spawn_sweeper(&self.idle) {
@@ -252,10 +247,6 @@ fn pool_key(peer: &HttpPeer) -> u64 {
     peer.reuse_hash()
 }
 
-fn session(stream: Stream, peer: &HttpPeer) -> HttpSession {
-    HttpSession::H1(H1Session::new_with_options(stream, peer))
-}
-
 /// True when an idle connection has neither been closed nor sent anything: a read that
 /// would block. (A byte read here is one nobody asked for: the connection is dropped.)
 fn still_open(stream: &mut Stream) -> bool {
@@ -268,184 +259,26 @@ fn still_open(stream: &mut Stream) -> bool {
     matches!(read.as_mut().poll(&mut cx), Poll::Pending)
 }
 
-/// Bytes a [`OneSend`] holds before it writes them through.
-const HOLD: usize = 16 * 1024;
-
-/// A stream that holds what is written until the next read (or shutdown, or more than
-/// [`HOLD`] bytes): the request header, which Pingora writes and flushes on its own,
-/// leaves with the body in one send. Pingora's upstream TCP stream has no write buffer
-/// of its own, so every write would otherwise be a send.
-#[derive(Debug)]
-pub struct OneSend {
-    inner: Stream,
-    /// Written by the caller, not yet to the stream below.
-    held: Vec<u8>,
-    /// Written to the stream below and not flushed since: a TLS layer takes bytes
-    /// before they reach the socket, and only a flush pushes them out.
-    unflushed: bool,
-}
-
-impl OneSend {
-    pub fn new(inner: Stream) -> Self {
-        Self {
-            inner,
-            held: Vec::new(),
-            unflushed: false,
-        }
-    }
-
-    /// Writes out what is held, then flushes the stream below until it is done.
-    fn drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        while !self.held.is_empty() {
-            match std::task::ready!(Pin::new(&mut self.inner).poll_write(cx, &self.held)) {
-                Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
-                Ok(n) => {
-                    self.held.drain(..n);
-                    self.unflushed = true;
-                }
-                Err(e) => return Poll::Ready(Err(e)),
-            }
-        }
-        // An idle connection keeps little: a request's worth of capacity at most.
-        if self.held.capacity() > 4096 {
-            self.held = Vec::new();
-        }
-        if self.unflushed {
-            std::task::ready!(Pin::new(&mut self.inner).poll_flush(cx))?;
-            self.unflushed = false;
-        }
-        Poll::Ready(Ok(()))
-    }
-}
-
-impl AsyncRead for OneSend {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        std::task::ready!(this.drain(cx))?;
-        Pin::new(&mut this.inner).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for OneSend {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        let this = self.get_mut();
-        if this.held.len() + buf.len() > HOLD {
-            std::task::ready!(this.drain(cx))?;
-            if buf.len() > HOLD {
-                let r = Pin::new(&mut this.inner).poll_write(cx, buf);
-                if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
-                    this.unflushed = true;
-                }
-                return r;
-            }
-        }
-        this.held.extend_from_slice(buf);
-        Poll::Ready(Ok(buf.len()))
-    }
-
-    /// Deferred: the bytes go with the next read, or at shutdown.
-    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        std::task::ready!(this.drain(cx))?;
-        Pin::new(&mut this.inner).poll_shutdown(cx)
-    }
-}
-
-#[async_trait]
-impl Shutdown for OneSend {
-    async fn shutdown(&mut self) {
-        let _ = std::future::poll_fn(|cx| self.drain(cx)).await;
-        self.inner.shutdown().await
-    }
-}
-
-impl Ssl for OneSend {
-    fn get_ssl(&self) -> Option<&TlsRef> {
-        self.inner.get_ssl()
-    }
-    fn get_ssl_digest(&self) -> Option<Arc<SslDigest>> {
-        self.inner.get_ssl_digest()
-    }
-    fn selected_alpn_proto(&self) -> Option<ALPN> {
-        self.inner.selected_alpn_proto()
-    }
-}
-
-crate::stream_wrap::forward_stream_traits!(OneSend);
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use async_trait::async_trait;
     use pingora::protocols::raw_connect::ProxyDigest;
     use pingora::protocols::{
-        GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, SocketDigest, TimingDigest,
-        UniqueID, UniqueIDType,
+        GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, SocketDigest, Ssl,
+        TimingDigest, UniqueID, UniqueIDType,
     };
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use std::io;
+    use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
     use tokio::net::TcpStream;
 
-    use crate::stream_wrap::testing::{loopback, nothing_to_read};
+    use crate::test_net::loopback;
 
     /// A connected loopback pair: (Pingora stream of the client side, server side).
     async fn pair() -> (Stream, TcpStream) {
         let (c, s) = loopback().await;
         let c: pingora::protocols::l4::stream::Stream = c.into();
         (Box::new(c), s)
-    }
-
-    #[tokio::test]
-    async fn writes_are_held_until_the_first_read_then_leave_together() {
-        let (c, mut server) = pair().await;
-        let mut c = OneSend::new(c);
-        c.write_all(b"POST / HTTP/1.1\r\ncontent-length: 4\r\n\r\n")
-            .await
-            .unwrap();
-        c.flush().await.unwrap();
-        c.write_all(b"body").await.unwrap();
-        c.flush().await.unwrap();
-        assert!(nothing_to_read(&mut server).await, "sent before the read");
-        // The client starts reading its answer: the request goes first, in one piece.
-        let reader = tokio::spawn(async move {
-            let mut b = [0u8; 8];
-            let n = c.read(&mut b).await.unwrap();
-            b[..n].to_vec()
-        });
-        let mut got = vec![0u8; 256];
-        let n = server.read(&mut got).await.unwrap();
-        assert_eq!(
-            &got[..n],
-            b"POST / HTTP/1.1\r\ncontent-length: 4\r\n\r\nbody"
-        );
-        server.write_all(b"ok").await.unwrap();
-        assert_eq!(reader.await.unwrap(), b"ok");
-    }
-
-    #[tokio::test]
-    async fn a_large_write_goes_through_without_waiting_for_a_read() {
-        let (c, mut server) = pair().await;
-        let mut c = OneSend::new(c);
-        let big = vec![b'x'; HOLD + 1];
-        c.write_all(b"head").await.unwrap();
-        c.write_all(&big).await.unwrap();
-        let mut got = vec![0u8; 4 + big.len()];
-        tokio::time::timeout(Duration::from_secs(10), server.read_exact(&mut got))
-            .await
-            .expect("the large write did not go through")
-            .unwrap();
-        assert_eq!(&got[..4], b"head");
-        assert!(got[4..].iter().all(|&b| b == b'x'));
     }
 
     #[tokio::test]
@@ -584,29 +417,20 @@ mod tests {
     }
     impl Peek for Sealed {}
 
-    #[test]
-    fn a_read_flushes_the_stream_below_whatever_the_write_size() {
-        for size in [10, HOLD + 1] {
+    #[tokio::test]
+    async fn a_request_reaches_a_stream_that_holds_bytes_until_flushed_whatever_its_size() {
+        for size in [10, 100_000] {
             let sealed = Sealed::default();
             let sent = sealed.sent.clone();
-            let mut s = OneSend::new(Box::new(sealed));
+            let mut up = H1::new(Box::new(sealed));
             let body = vec![b'b'; size];
-            let mut cx = Context::from_waker(Waker::noop());
-            for part in [&b"head"[..], &body] {
-                let mut done = 0;
-                while done < part.len() {
-                    match Pin::new(&mut s).poll_write(&mut cx, &part[done..]) {
-                        Poll::Ready(Ok(n)) => done += n,
-                        other => panic!("write: {other:?}"),
-                    }
-                }
-                assert!(Pin::new(&mut s).poll_flush(&mut cx).is_ready());
-            }
-            let mut b = [0u8; 1];
-            let mut buf = ReadBuf::new(&mut b);
-            assert!(Pin::new(&mut s).poll_read(&mut cx, &mut buf).is_pending());
+            up.send(b"head".to_vec(), &body).await.unwrap();
             let sent = lock(&sent).clone();
-            assert_eq!(sent.len(), 4 + size, "{size}: bytes left below the wrapper");
+            assert_eq!(
+                sent.len(),
+                4 + size,
+                "{size}: bytes left below the connection"
+            );
             assert_eq!(&sent[..4], b"head");
         }
     }

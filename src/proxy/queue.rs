@@ -11,8 +11,8 @@ use super::ctx::Request;
 use super::watch::{ClientWatch, Wait};
 use crate::engine::permits::PermitGuard;
 use crate::engine::select::{self, Candidate};
+use crate::server::conn::ClientConn;
 use futures::future::select_all;
-use pingora::protocols::http::ServerSession;
 use std::time::Duration;
 
 pub(super) enum Permitted {
@@ -27,7 +27,7 @@ pub(super) enum Permitted {
 
 /// Waits up to `limit` for the first free permit among `full`.
 pub(super) async fn wait_for_permit(
-    session: &mut ServerSession,
+    conn: &mut ClientConn,
     watch: &mut ClientWatch,
     req: &Request<'_>,
     full: &[Candidate],
@@ -61,7 +61,7 @@ pub(super) async fn wait_for_permit(
         })
     });
     // The other waits are dropped here, before `limits`, which they borrow.
-    let won = match watch.race(session, limit, select_all(waits)).await {
+    let won = match watch.race(conn, limit, select_all(waits)).await {
         Wait::Ready(((i, got), _, _)) => Wait::Ready((i, got)),
         Wait::TimedOut => Wait::TimedOut,
         Wait::ClientGone => Wait::ClientGone,

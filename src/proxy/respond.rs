@@ -14,9 +14,8 @@ use crate::error::ClientError;
 use crate::policy::failover::Refusal;
 use crate::policy::timefmt::format_rfc3339;
 use crate::policy::{client_retry_after, retry_after_secs};
+use crate::server::conn::{BodySize, ClientConn};
 use bytes::Bytes;
-use pingora::http::ResponseHeader;
-use pingora::protocols::http::ServerSession;
 use serde_json::{json, Map, Value};
 
 /// The JSON body of `err` in `family`'s error shape.
@@ -46,40 +45,39 @@ pub fn error_body(family: Family, err: &ClientError) -> Vec<u8> {
 
 /// Writes a complete local response. `extra_headers` are added as given.
 pub async fn write_local(
-    session: &mut ServerSession,
+    conn: &mut ClientConn,
     status: u16,
     content_type: &str,
     extra_headers: &[(&'static str, String)],
-    body: Vec<u8>,
-) -> pingora::Result<()> {
-    let mut h = ResponseHeader::build(status, Some(4 + extra_headers.len()))?;
-    h.insert_header("content-type", content_type)?;
-    h.insert_header("content-length", body.len())?;
+    body: &[u8],
+) -> super::Answered {
+    let mut h = conn.head(status);
+    h.field(b"Content-Type", content_type.as_bytes());
     for (k, v) in extra_headers {
-        h.insert_header(*k, v.as_str())?;
+        h.field(k.as_bytes(), v.as_bytes());
     }
-    session.write_response_header(Box::new(h)).await?;
-    session.write_response_body(Bytes::from(body), true).await?;
+    h.end(BodySize::Exactly(body.len() as u64));
+    conn.write_body(body, true).await?;
     Ok(())
 }
 
 /// Writes `err` as a complete response in `family`'s shape.
 pub async fn write_error(
-    session: &mut ServerSession,
+    conn: &mut ClientConn,
     family: Family,
     err: &ClientError,
     mut extra_headers: Vec<(&'static str, String)>,
-) -> pingora::Result<()> {
+) -> super::Answered {
     if let Some(s) = err.retry_after {
         extra_headers.push(("retry-after", client_retry_after(s).to_string()));
     }
     let body = error_body(family, err);
     write_local(
-        session,
+        conn,
         err.status(),
         "application/json",
         &extra_headers,
-        body,
+        &body,
     )
     .await
 }
@@ -109,14 +107,14 @@ pub fn sse_error_event(route: Route, reason: AbortReason) -> Bytes {
 
 /// Writes `e` with the `x-sluice-*` headers, and notes it for the access log.
 pub async fn finish_error(
-    session: &mut ServerSession,
+    conn: &mut ClientConn,
     family: Family,
     e: ClientError,
     ctx: &mut RequestCtx,
-) -> pingora::Result<()> {
+) -> super::Answered {
     ctx.status = e.status();
     ctx.note = Some(e.code.as_str());
-    write_error(session, family, &e, ctx.sluice_headers()).await
+    write_error(conn, family, &e, ctx.sluice_headers()).await
 }
 
 /// The client-facing error for a refusal of the failover machine.
@@ -191,28 +189,28 @@ pub fn refusal_error(
 /// Passes a held upstream error to the client: its headers and body, the restated
 /// status if a rule applied, and a normalised `Retry-After`.
 pub(super) async fn pass_through(
-    session: &mut ServerSession,
+    conn: &mut ClientConn,
     err: HeldError,
     v: &Verdict,
     ctx: &mut RequestCtx,
-) -> pingora::Result<()> {
+) -> super::Answered {
     ctx.status = v.status;
-    let chunked = upstream::client_takes_chunked(session);
-    let mut h = upstream::response_header(&err.header, chunked, ctx.sluice_headers())?;
-    if v.status != err.header.status.as_u16() {
-        h.set_status(v.status)?;
+    let mut h = conn.head(v.status);
+    let fields = err
+        .headers
+        .iter()
+        .map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes()));
+    // The upstream's own `Retry-After` may be a date, a fraction, 0 or a year: only the
+    // normalised one is passed on; the body goes as it was read, unencoded.
+    upstream::forward_fields(&mut h, fields, &["content-encoding", "retry-after"]);
+    for (k, v) in ctx.sluice_headers() {
+        h.field(k.as_bytes(), v.as_bytes());
     }
-    h.remove_header("transfer-encoding");
-    h.remove_header("content-encoding");
-    h.insert_header("content-length", err.body.len())?;
-    // The upstream's own value may be a date, a fraction, 0 or a year: only the
-    // normalised one is passed on.
-    h.remove_header("retry-after");
     if let Some(secs) = v.retry_after {
-        h.insert_header("retry-after", secs.to_string())?;
+        h.number(b"retry-after", secs);
     }
-    session.write_response_header(Box::new(h)).await?;
-    session.write_response_body(err.body, true).await?;
+    h.end(BodySize::Exactly(err.body.len() as u64));
+    conn.write_body(&err.body, true).await?;
     Ok(())
 }
 

@@ -13,28 +13,26 @@
 //! Heartbeats (comments, pings, empty `data:`) never reset the stall timer. The upstream
 //! connection goes back to the pool only after its body was read whole.
 //!
-//! Chunks the upstream connection already holds are passed on together: Pingora writes
-//! and flushes every chunk it is given, so a body read in one receive but framed as eight
-//! chunks would leave as eight sends. A chunk is taken into a batch only when it is ready
-//! without waiting, so nothing is held back that could have been sent; every chunk still
-//! goes through the guards one by one, and a failing stream delivers the batch before
-//! its error event.
+//! Chunks the upstream connection already holds are passed on together: a body read in
+//! one receive but framed as eight chunks leaves as one send. A chunk is taken into a
+//! batch only when it is ready without waiting, so nothing is held back that could have
+//! been sent; every chunk still goes through the guards one by one, and a failing stream
+//! delivers the batch before its error event. The response head, written at the commit
+//! point, leaves with the first batch.
 
 use super::attempt::{Committed, POOL_IDLE};
 use super::ctx::Request;
 use super::framing::EventBoundary;
 use super::respond;
+use super::upconn::UpConn;
 use super::watch::{ClientWatch, Wait};
 use crate::clock::monotonic;
 use crate::codes::AbortReason;
 use crate::policy::watchdog::{classify_event, ThroughputWatchdog, WatchdogConfig};
-use crate::server::frontdoor;
+use crate::server::conn::ClientConn;
 use crate::server::lifecycle::until_set;
 use crate::sse::{SseAssembler, SseEvent, SseProgress};
 use bytes::{Bytes, BytesMut};
-use futures::FutureExt;
-use pingora::protocols::http::client::HttpSession;
-use pingora::protocols::http::ServerSession;
 use std::time::Instant;
 
 /// A batch stops taking chunks once it holds this much (so at most this plus one chunk).
@@ -52,7 +50,7 @@ pub(super) enum StreamEnd {
 
 /// Streams the committed body to the client.
 pub(super) async fn stream(
-    session: &mut ServerSession,
+    conn: &mut ClientConn,
     watch: &mut ClientWatch,
     req: &Request<'_>,
     deadline: Instant,
@@ -63,18 +61,21 @@ pub(super) async fn stream(
         peer,
         first,
         is_sse,
-        header,
+        head,
         ..
     } = c;
-    // Sent already: not held for the stream's life.
-    drop(header);
+    // Written already: not held for the stream's life.
+    drop(head);
     let Some(first) = first else {
-        // Empty body: the header already ended the response.
+        // Empty body: the head alone is the response.
         req.engine.upstreams.release(up, &peer, POOL_IDLE).await;
-        return StreamEnd::Complete;
+        return match conn.write_body(&[], true).await {
+            Ok(()) => StreamEnd::Complete,
+            Err(_) => cut(AbortReason::ClientGone),
+        };
     };
     let mut pump = Pump::new(req, is_sse, deadline);
-    let end = pump.run(session, watch, &mut up, first).await;
+    let end = pump.run(conn, watch, &mut up, first).await;
     match end {
         StreamEnd::Complete => req.engine.upstreams.release(up, &peer, POOL_IDLE).await,
         StreamEnd::Aborted { .. } => up.shutdown().await,
@@ -108,9 +109,9 @@ impl<'r, 'a> Pump<'r, 'a> {
 
     async fn run(
         &mut self,
-        session: &mut ServerSession,
+        conn: &mut ClientConn,
         watch: &mut ClientWatch,
-        up: &mut HttpSession,
+        up: &mut UpConn,
         first: Bytes,
     ) -> StreamEnd {
         let stall = self.req.snap.config.resilience.stream.stall_timeout;
@@ -118,7 +119,7 @@ impl<'r, 'a> Pump<'r, 'a> {
         let mut next = Some(first);
         loop {
             if let Some(chunk) = next.take() {
-                if let Some(end) = self.forward(session, up, chunk).await {
+                if let Some(end) = self.forward(conn, up, chunk).await {
                     return end;
                 }
             }
@@ -129,28 +130,26 @@ impl<'r, 'a> Pump<'r, 'a> {
             let read = async {
                 tokio::select! {
                     biased;
-                    r = up.read_response_body() => Some(r),
+                    r = up.read_body() => Some(r),
                     _ = until_set(&mut stopping) => None,
                 }
             };
-            let got = match watch.race(session, limit, read).await {
-                Wait::Ready(None) => return self.fail(session, None, AbortReason::Shutdown).await,
+            let got = match watch.race(conn, limit, read).await {
+                Wait::Ready(None) => return self.fail(conn, None, AbortReason::Shutdown).await,
                 Wait::Ready(Some(r)) => Wait::Ready(r),
                 Wait::TimedOut => Wait::TimedOut,
                 Wait::ClientGone => Wait::ClientGone,
             };
             match got {
                 Wait::Ready(Ok(Some(c))) => next = Some(c),
-                Wait::Ready(Ok(None)) => return self.finish(session, None).await,
+                Wait::Ready(Ok(None)) => return self.finish(conn, None).await,
                 Wait::Ready(Err(_)) => {
-                    return self.fail(session, None, AbortReason::UpstreamError).await
+                    return self.fail(conn, None, AbortReason::UpstreamError).await
                 }
                 Wait::TimedOut if monotonic() >= self.deadline => {
-                    return self
-                        .fail(session, None, AbortReason::ExecutionTimeout)
-                        .await
+                    return self.fail(conn, None, AbortReason::ExecutionTimeout).await
                 }
-                Wait::TimedOut => return self.fail(session, None, AbortReason::Stall).await,
+                Wait::TimedOut => return self.fail(conn, None, AbortReason::Stall).await,
                 Wait::ClientGone => return cut(AbortReason::ClientGone),
             }
         }
@@ -161,8 +160,8 @@ impl<'r, 'a> Pump<'r, 'a> {
     /// upstream's end or failure).
     async fn forward(
         &mut self,
-        session: &mut ServerSession,
-        up: &mut HttpSession,
+        conn: &mut ClientConn,
+        up: &mut UpConn,
         chunk: Bytes,
     ) -> Option<StreamEnd> {
         let mut batch = Batch::default();
@@ -172,19 +171,13 @@ impl<'r, 'a> Pump<'r, 'a> {
             progressed |= !self.is_sse || self.progress.feed(&chunk);
             if !self.admit(&chunk) {
                 // The chunk that tipped the verdict is not delivered (SPEC §5.9).
-                return Some(
-                    self.fail(session, batch.take(), AbortReason::Throughput)
-                        .await,
-                );
+                return Some(self.fail(conn, batch.take(), AbortReason::Throughput).await);
             }
             batch.push(chunk);
             if batch.len >= BATCH_MAX {
                 break None;
             }
-            // Dropping this read unfinished loses nothing: Pingora's HTTP/1 body reader
-            // keeps its state across each socket read, and HTTP/2 data polling is
-            // cancel-safe.
-            match up.read_response_body().now_or_never() {
+            match up.body_ready() {
                 Some(Ok(Some(c))) => chunk = c,
                 Some(Ok(None)) => break Some(Ok(())),
                 Some(Err(_)) => break Some(Err(())),
@@ -193,9 +186,8 @@ impl<'r, 'a> Pump<'r, 'a> {
         };
         match ended {
             None => {
-                let written = session
-                    .write_response_body(batch.take().unwrap_or_default(), false)
-                    .await;
+                let data = batch.take().unwrap_or_default();
+                let written = conn.write_body(&data, false).await;
                 // A slow client's write time does not eat into the next stall window.
                 if progressed {
                     self.last_progress = monotonic();
@@ -205,9 +197,9 @@ impl<'r, 'a> Pump<'r, 'a> {
                     Err(_) => Some(cut(AbortReason::ClientGone)),
                 }
             }
-            Some(Ok(())) => Some(self.finish(session, batch.take()).await),
+            Some(Ok(())) => Some(self.finish(conn, batch.take()).await),
             Some(Err(())) => Some(
-                self.fail(session, batch.take(), AbortReason::UpstreamError)
+                self.fail(conn, batch.take(), AbortReason::UpstreamError)
                     .await,
             ),
         }
@@ -231,20 +223,13 @@ impl<'r, 'a> Pump<'r, 'a> {
     }
 
     /// Ends the body as the upstream ended it, `held` written first.
-    async fn finish(&mut self, session: &mut ServerSession, held: Option<Bytes>) -> StreamEnd {
+    async fn finish(&mut self, conn: &mut ClientConn, held: Option<Bytes>) -> StreamEnd {
         if self.is_sse && self.boundary.is_mid_event() {
             // The upstream closed inside an event: not a complete stream.
-            return self.fail(session, held, AbortReason::UpstreamError).await;
+            return self.fail(conn, held, AbortReason::UpstreamError).await;
         }
-        // Pingora flushes the last data chunk, then writes and flushes the terminating
-        // one: the first flush is skipped so both leave together.
-        if held.as_ref().is_some_and(|b| !b.is_empty()) {
-            frontdoor::hold_next_flush(session);
-        }
-        let written = session
-            .write_response_body(held.unwrap_or_default(), true)
-            .await;
-        frontdoor::release_flush(session);
+        // The last data and the body's end leave together.
+        let written = conn.write_body(&held.unwrap_or_default(), true).await;
         match written {
             Ok(()) => StreamEnd::Complete,
             Err(_) => cut(AbortReason::ClientGone),
@@ -256,30 +241,22 @@ impl<'r, 'a> Pump<'r, 'a> {
     /// end; any other body by a cut.
     async fn fail(
         &mut self,
-        session: &mut ServerSession,
+        conn: &mut ClientConn,
         held: Option<Bytes>,
         reason: AbortReason,
     ) -> StreamEnd {
         if !self.is_sse {
             // What passed the guards is still delivered; the cut comes after it.
-            if held.is_some() {
-                let _ = session
-                    .write_response_body(held.unwrap_or_default(), false)
-                    .await;
+            if let Some(held) = held {
+                let _ = conn.write_body(&held, false).await;
             }
             return cut(reason);
         }
         let mut tail = held.map(Vec::from).unwrap_or_default();
         tail.extend_from_slice(self.boundary.terminator());
         tail.extend_from_slice(&respond::sse_error_event(self.req.route, reason));
-        let ended = session
-            .write_response_body(Bytes::from(tail), false)
-            .await
-            .is_ok()
-            && session
-                .write_response_body(Bytes::new(), true)
-                .await
-                .is_ok();
+        // The error event and the body's end leave together.
+        let ended = conn.write_body(&tail, true).await.is_ok();
         StreamEnd::Aborted {
             reason,
             cut: !ended,

@@ -21,10 +21,9 @@ use crate::config::{BaseUrl, Connection, Provider, Subscription};
 use crate::policy::subscription::{
     claim_body, merged_beta, parse_claim, parse_usage, OnLane, OnWall, Signal, SlowStatus, Waits,
 };
+use crate::server::conn::ClientConn;
 use bytes::{Bytes, BytesMut};
-use pingora::http::RequestHeader;
 use pingora::prelude::HttpPeer;
-use pingora::protocols::http::ServerSession;
 use std::time::Duration;
 
 /// Resends of one request on its pick (walls, claims, lane waits) before its answer goes
@@ -55,7 +54,7 @@ pub(super) enum Then {
 
 /// The lane's reading of an attempt's end. `slow`: the attempt carried the slow header.
 pub(super) async fn after(
-    session: &mut ServerSession,
+    client: &mut ClientConn,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
     end: &AttemptEnd,
@@ -67,14 +66,8 @@ pub(super) async fn after(
         return Then::Settle;
     };
     let (sig, committed) = match end {
-        AttemptEnd::Refused(e) => (
-            Signal::read(e.header.status.as_u16(), &e.header.headers),
-            false,
-        ),
-        AttemptEnd::Committed(c) => (
-            Signal::read(c.header.status.as_u16(), &c.header.headers),
-            true,
-        ),
+        AttemptEnd::Refused(e) => (Signal::read(e.status, &e.headers), false),
+        AttemptEnd::Committed(c) => (Signal::read(c.head.status(), &*c.head), true),
         _ => return Then::Settle,
     };
     let engine = call.req.engine;
@@ -152,7 +145,7 @@ pub(super) async fn after(
                 rounds.reset_tried = true;
                 // Boxed: the probe is a whole upstream exchange of its own, rare, and
                 // inline it would enlarge every request's future by ~11 KB.
-                match Box::pin(limit_reset(session, watch, call, p, conn, sub)).await {
+                match Box::pin(limit_reset(client, watch, call, p, conn, sub)).await {
                     Reset::FullSpeed => return Then::Again(Duration::ZERO),
                     Reset::Gone => return Then::Gone,
                     Reset::No => {}
@@ -180,7 +173,7 @@ enum Reset {
 
 /// The usage check and, when it offers one, the claim.
 async fn limit_reset(
-    session: &mut ServerSession,
+    client: &mut ClientConn,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
     p: &Provider,
@@ -200,7 +193,7 @@ async fn limit_reset(
         oauth.base.path_prefix
     );
     let usage = match oauth
-        .ask(session, watch, "GET", &usage_path, None, parse_usage)
+        .ask(client, watch, "GET", &usage_path, None, parse_usage)
         .await
     {
         Ok(u) => u,
@@ -222,7 +215,7 @@ async fn limit_reset(
     );
     let body = Some(Bytes::from(claim_body()));
     let claim = match oauth
-        .ask(session, watch, "POST", &claim_path, body, parse_claim)
+        .ask(client, watch, "POST", &claim_path, body, parse_claim)
         .await
     {
         Ok(c) => c,
@@ -282,14 +275,14 @@ impl OAuth<'_, '_, '_> {
     /// One call whose 2xx body `parse` reads.
     async fn ask<T>(
         &self,
-        session: &mut ServerSession,
+        client: &mut ClientConn,
         watch: &mut ClientWatch,
         method: &str,
         path: &str,
         body: Option<Bytes>,
         parse: fn(&[u8]) -> Option<T>,
     ) -> Result<T, Stop> {
-        let (status, answer) = self.send(session, watch, method, path, body).await?;
+        let (status, answer) = self.send(client, watch, method, path, body).await?;
         if !(200..300).contains(&status) {
             return Err(Stop::Failed(format!("status {status}")));
         }
@@ -299,7 +292,7 @@ impl OAuth<'_, '_, '_> {
     /// One HTTP/1.1 call with the connection's token: (status, body).
     async fn send(
         &self,
-        session: &mut ServerSession,
+        client: &mut ClientConn,
         watch: &mut ClientWatch,
         method: &str,
         path: &str,
@@ -315,29 +308,32 @@ impl OAuth<'_, '_, '_> {
                 .await
                 .map_err(|_| "dns lookup failed".to_string())?;
             let peer = oauth_peer(addr, base, p);
-            let mut req = RequestHeader::build(method, path.as_bytes(), Some(6))
-                .map_err(|e| e.to_string())?;
-            let set = |req: &mut RequestHeader, k: &'static str, v: String| {
-                req.insert_header(k, v).map_err(|e| e.to_string())
+            let (path, query) = match path.split_once('?') {
+                Some((p, q)) => (p, Some(q)),
+                None => (path, None),
             };
-            set(&mut req, "host", base.authority())?;
-            if let Some(key) = &conn.key {
-                set(
-                    &mut req,
-                    "authorization",
-                    format!("Bearer {}", key.expose()),
-                )?;
+            let authority = base.authority();
+            let out = super::upstream::OutHead {
+                method,
+                prefix: "",
+                path,
+                query,
+                authority: &authority,
+                body_len: body.as_ref().map_or(0, Bytes::len),
+            };
+            let bearer = conn.key.as_ref().map(|k| format!("Bearer {}", k.expose()));
+            let beta = merged_beta(None);
+            let mut extra: Vec<(&[u8], &[u8])> = Vec::with_capacity(4);
+            if let Some(b) = &bearer {
+                extra.push((b"Authorization", b.as_bytes()));
             }
-            set(&mut req, "anthropic-beta", merged_beta(None))?;
-            set(&mut req, "accept", "application/json".into())?;
-            set(
-                &mut req,
-                "content-length",
-                body.as_ref().map_or(0, Bytes::len).to_string(),
-            )?;
+            extra.push((b"anthropic-beta", beta.as_bytes()));
+            extra.push((b"accept", b"application/json"));
             if body.is_some() {
-                set(&mut req, "content-type", "application/json".into())?;
+                extra.push((b"content-type", b"application/json"));
             }
+            let mut head = Vec::with_capacity(512);
+            super::upstream::write_request_head(&mut head, &out, std::iter::empty(), &[], &extra);
             // A new connection: a pooled one the upstream closed would fail the call, and
             // the call is rare (one per wall).
             let mut up = engine
@@ -345,17 +341,14 @@ impl OAuth<'_, '_, '_> {
                 .fresh(&peer)
                 .await
                 .map_err(|e| e.to_string())?;
-            up.write_request_header(Box::new(req))
+            up.send(head, body.unwrap_or_default())
                 .await
                 .map_err(|e| e.to_string())?;
-            if let Some(b) = body {
-                up.write_request_body(b, true)
-                    .await
-                    .map_err(|e| e.to_string())?;
-            }
-            up.finish_request_body().await.map_err(|e| e.to_string())?;
-            up.read_response_header().await.map_err(|e| e.to_string())?;
-            let status = up.response_header().map_or(0, |h| h.status.as_u16());
+            let status = up
+                .read_head(OAUTH_BODY_LIMIT)
+                .await
+                .map_err(|e| e.to_string())?
+                .status();
             let mut buf = BytesMut::new();
             let complete = super::attempt::read_bounded(&mut up, &mut buf, OAUTH_BODY_LIMIT)
                 .await
@@ -368,7 +361,7 @@ impl OAuth<'_, '_, '_> {
             }
             Ok((status, buf.freeze()))
         };
-        match watch.race(session, limit, exchange).await {
+        match watch.race(client, limit, exchange).await {
             Wait::Ready(r) => r.map_err(Stop::Failed),
             // Out of the request's own budget: nothing learnt about the upstream.
             Wait::TimedOut if left < OAUTH_CALL_LIMIT => Err(Stop::OutOfTime),

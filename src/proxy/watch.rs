@@ -6,9 +6,9 @@
 //! limit and the client socket race, and whichever finishes first wins. Invariants: a
 //! wait never outlives its limit; a closed client ends it with `ClientGone`; bytes the
 //! client sends meanwhile (a pipelined request) stop the watching rather than being
-//! taken for a disconnect, and are left for Pingora to read.
+//! taken for a disconnect, and are kept for the connection's next request.
 
-use pingora::protocols::http::ServerSession;
+use crate::server::conn::ClientConn;
 use std::future::Future;
 use std::time::Duration;
 
@@ -34,7 +34,7 @@ impl ClientWatch {
     /// Runs `fut` for at most `limit`, watching the client connection meanwhile.
     pub async fn race<F: Future>(
         &mut self,
-        session: &mut ServerSession,
+        conn: &mut ClientConn,
         limit: Duration,
         fut: F,
     ) -> Wait<F::Output> {
@@ -46,19 +46,19 @@ impl ClientWatch {
                 biased;
                 out = &mut fut => return Wait::Ready(out),
                 _ = &mut sleep => return Wait::TimedOut,
-                r = session.read_body_or_idle(true), if self.watching => match r {
-                    Err(_) => return Wait::ClientGone,
-                    // Unexpected bytes (e.g. a pipelined request): stop probing, keep going.
-                    Ok(_) => self.watching = false,
+                gone = conn.closed_or_data(), if self.watching => match gone {
+                    true => return Wait::ClientGone,
+                    // Bytes (e.g. a pipelined request): stop probing, keep going.
+                    false => self.watching = false,
                 },
             }
         }
     }
 
     /// Sleeps `d` unless the client leaves first; false if it left.
-    pub async fn sleep(&mut self, session: &mut ServerSession, d: Duration) -> bool {
+    pub async fn sleep(&mut self, conn: &mut ClientConn, d: Duration) -> bool {
         !matches!(
-            self.race(session, d, std::future::pending::<()>()).await,
+            self.race(conn, d, std::future::pending::<()>()).await,
             Wait::ClientGone
         )
     }

@@ -1,37 +1,27 @@
-//! The client listener: accept loop and per-connection HTTP/1 loop (SPEC §6 server).
+//! The client listener: accept loop and hand-off of each connection (SPEC §6 server).
 //!
-//! What it protects: the gateway's file descriptors and memory from slow, idle and
-//! numerous clients. Invariants:
+//! What it protects: the gateway's file descriptors and memory from numerous clients.
+//! Invariants:
 //! - at most `max_client_connections` client connections are served at once; beyond
 //!   that the accept loop stops accepting, so new connections wait in the kernel backlog
 //!   instead of holding a descriptor and buffers each;
-//! - every request header arrives within `client_header_timeout` and is at most
-//!   [`MAX_HEADER_BYTES`](super::client_stream::MAX_HEADER_BYTES) ([`ClientStream`]);
-//! - a request body never pauses longer than `client_body_timeout` between reads;
-//! - an idle kept-alive connection is closed after `keepalive_timeout`, and a client
-//!   that takes no response bytes for 60 s is cut;
-//! - pipelined requests are answered in order (Pingora's HTTP/1 pipelining is on).
-//!
-//! The HTTP work itself stays Pingora's: each request is one
-//! `HttpServerApp::process_new_http` call on the gateway, exactly as Pingora's own
-//! listening service would make it; only the socket wrapper and the session settings
-//! are ours, and at shutdown the app's `http_cleanup` runs as Pingora's service would
-//! run it. The listening socket is bound with Pingora's backlog (65,535) and
-//! listed in the server's fd table.
+//! - each accepted connection is served by one client worker, as a [`ClientConn`] that
+//!   keeps the per-connection limits (header, body, keep-alive and send timeouts; see
+//!   `server::conn`), by the front door's [`ConnApp`];
+//! - the listening socket is bound with Pingora's backlog (65,535) and listed in the
+//!   server's fd table; the service is a Pingora `Service`, so upgrades hand it over.
 
-use super::client_stream::ClientStream;
+use super::conn::ClientConn;
 use super::lifecycle::{until_set, Active, Lifecycle};
 use super::workers::{Joins, Workers};
 use async_trait::async_trait;
-use pingora::apps::HttpServerApp;
-use pingora::protocols::http::ServerSession;
-use pingora::protocols::{GetSocketDigest, SocketDigest, Stream};
 use pingora::server::{ListenFds, ShutdownWatch};
 use pingora::services::Service;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::Semaphore;
 
 /// The client-connection limits of `server:` (resolved: no zero left).
 #[derive(Clone, Copy, Debug)]
@@ -69,8 +59,20 @@ pub fn file_limit() -> Option<u64> {
     }
 }
 
-/// A Pingora service that accepts client connections itself and hands each request
-/// to the HTTP app.
+/// What serves the client connections a [`FrontDoor`] accepts: the gateway, or the
+/// bench floor.
+pub trait ConnApp: Send + Sync + 'static {
+    /// Serves one connection to its end. `arriving` counts it as in flight for the
+    /// drain until its first request is being handled (the request then counts itself).
+    fn serve(
+        self: Arc<Self>,
+        conn: ClientConn,
+        arriving: Active,
+    ) -> impl Future<Output = ()> + Send + 'static;
+}
+
+/// A Pingora service that accepts client connections itself and hands each one to a
+/// client worker, where the app serves it.
 pub struct FrontDoor<A> {
     name: String,
     app: Arc<A>,
@@ -81,7 +83,7 @@ pub struct FrontDoor<A> {
     life: Arc<Lifecycle>,
 }
 
-impl<A: HttpServerApp + Send + Sync + 'static> FrontDoor<A> {
+impl<A: ConnApp> FrontDoor<A> {
     /// Serves `listener` (bound by [`listen`] or inherited from an upgrade) on
     /// `workers` client workers until the server shuts down or `life` starts draining.
     /// The workers' threads go to `joins`, to be joined after the server has stopped.
@@ -142,7 +144,7 @@ pub(super) async fn shutting_down(watch: &mut ShutdownWatch) {
 }
 
 #[async_trait]
-impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
+impl<A: ConnApp> Service for FrontDoor<A> {
     async fn start_service(
         &mut self,
         _fds: Option<ListenFds>,
@@ -187,7 +189,7 @@ impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
                 _ = shutting_down(&mut shutdown) => break,
                 _ = until_set(&mut drain) => break,
             };
-            let (stream, peer) = match accepted {
+            let (stream, _peer) = match accepted {
                 Ok(s) => s,
                 Err(e) if is_resource_exhaustion(&e) => {
                     tracing::warn!(error = %e, "accept failed: out of resources, retrying");
@@ -208,6 +210,7 @@ impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
             let Ok(stream) = stream.into_std() else {
                 continue;
             };
+            let accepted_at = crate::clock::monotonic();
             let (app, limits, shutdown) = (self.app.clone(), self.limits, shutdown.clone());
             let draining = self.life.draining();
             // A connection counts as in flight from its accept until its first request
@@ -216,8 +219,14 @@ impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
             let arriving = self.life.enter();
             let handed = workers.hand(Box::new(move || {
                 Box::pin(async move {
-                    if let Some(stream) = adopt(stream, peer) {
-                        serve(app, stream, limits, &shutdown, &draining, arriving).await;
+                    match tokio::net::TcpStream::from_std(stream) {
+                        Ok(io) => {
+                            let conn = ClientConn::new(io, limits, accepted_at, shutdown, draining);
+                            app.serve(conn, arriving).await;
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "an accepted connection could not be registered")
+                        }
                     }
                     drop(permit);
                 })
@@ -237,10 +246,8 @@ impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
         // (after the drain), as they wait on the shutdown watch: ending them at the
         // drain would also drop a connection whose request header is still arriving.
         // Until then an idle kept-alive connection may bring one more request, answered
-        // with `Connection: close`. The app's own cleanup runs now, as Pingora's
-        // service would run it.
+        // with `Connection: close`.
         shutting_down(&mut shutdown).await;
-        self.app.http_cleanup().await;
     }
 
     fn name(&self) -> &str {
@@ -250,105 +257,6 @@ impl<A: HttpServerApp + Send + Sync + 'static> Service for FrontDoor<A> {
     /// The acceptor's own runtime: one thread (the connections run on the workers).
     fn threads(&self) -> Option<usize> {
         Some(1)
-    }
-}
-
-/// A socket accepted on the acceptor, registered with the calling worker's runtime and
-/// dressed as Pingora's listener dresses one (its socket digest with the peer address).
-fn adopt(
-    stream: std::net::TcpStream,
-    peer: SocketAddr,
-) -> Option<pingora::protocols::l4::stream::Stream> {
-    use std::os::unix::io::AsRawFd;
-    let stream = match tokio::net::TcpStream::from_std(stream) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!(error = %e, "an accepted connection could not be registered");
-            return None;
-        }
-    };
-    let mut stream = pingora::protocols::l4::stream::Stream::from(stream);
-    let digest = SocketDigest::from_raw_fd(stream.as_raw_fd());
-    let _ = digest.peer_addr.set(Some(peer.into()));
-    stream.set_socket_digest(digest);
-    Some(stream)
-}
-
-/// One client connection: its requests, one `process_new_http` each, until it closes.
-async fn serve<A: HttpServerApp + Send + Sync + 'static>(
-    app: Arc<A>,
-    stream: pingora::protocols::l4::stream::Stream,
-    limits: ClientLimits,
-    shutdown: &ShutdownWatch,
-    draining: &watch::Receiver<bool>,
-    arriving: Active,
-) {
-    // No keep-alive once the process is stopping: the client reconnects to whoever
-    // listens next.
-    let keep = || !*shutdown.borrow() && !*draining.borrow();
-    let keepalive = limits.keepalive_timeout.as_secs().max(1);
-    let stream: Stream = Box::new(ClientStream::new(Box::new(stream), limits.header_timeout));
-    let mut session = ServerSession::new_http1(stream);
-    session.set_keepalive(keep().then_some(keepalive));
-    let mut reused = app
-        .process_new_http(prepared(session, limits), shutdown)
-        .await;
-    drop(arriving);
-    while let Some((stream, settings)) = reused.map(|r| r.consume()) {
-        if let Some(cs) = stream.as_any().downcast_ref::<ClientStream>() {
-            cs.next_request();
-        }
-        let mut session = ServerSession::new_http1(stream);
-        if let Some(settings) = settings {
-            settings.apply_to_session(&mut session);
-        }
-        // Pingora turns an HTTP/1.1 request's keep-alive into "no timeout" when it
-        // parses it; the wait for the next request is ours to bound.
-        session.set_keepalive(keep().then_some(keepalive));
-        reused = app
-            .process_new_http(prepared(session, limits), shutdown)
-            .await;
-    }
-}
-
-/// A client that takes no response bytes for this long (its receive window stays shut)
-/// is cut: it would hold its connection slot, an upstream socket and its permits.
-const SEND_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// The per-request session settings Pingora does not carry across requests.
-fn prepared(mut session: ServerSession, limits: ClientLimits) -> ServerSession {
-    session.set_read_timeout(Some(limits.body_timeout));
-    session.set_write_timeout(Some(SEND_TIMEOUT));
-    session.set_pipelining_enabled(true);
-    session
-}
-
-/// The wrapper of a session's connection, when it is one of ours.
-fn client_stream(session: &ServerSession) -> Option<&ClientStream> {
-    session
-        .stream()
-        .and_then(|s| s.as_any().downcast_ref::<ClientStream>())
-}
-
-/// The header guard of a session's connection: the gateway read the request header.
-pub fn header_done(session: &ServerSession) {
-    if let Some(cs) = client_stream(session) {
-        cs.header_done();
-    }
-}
-
-/// Skips the connection's next flush, for a write call that flushes again before it
-/// returns ([`ClientStream::hold_next_flush`]); [`release_flush`] after the call.
-pub fn hold_next_flush(session: &ServerSession) {
-    if let Some(cs) = client_stream(session) {
-        cs.hold_next_flush();
-    }
-}
-
-/// Ends [`hold_next_flush`].
-pub fn release_flush(session: &ServerSession) {
-    if let Some(cs) = client_stream(session) {
-        cs.release_flush();
     }
 }
 

@@ -1,6 +1,6 @@
 //! Process assembly: listeners and the Pingora server around the gateway's services.
 
-pub mod client_stream;
+pub mod conn;
 pub mod frontdoor;
 pub mod handover;
 pub mod lifecycle;

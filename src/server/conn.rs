@@ -1,0 +1,789 @@
+//! One client connection on Sluice's HTTP/1 codec (SPEC §3, §6 server; issue #9).
+//!
+//! What it protects: the client half of a request's CPU, and the gateway from slow,
+//! idle and malformed clients. The socket is read into one buffer that holds heads,
+//! bodies and pipelined requests; a response's head is written into another and leaves
+//! with the first body bytes in one send.
+//!
+//! Invariants:
+//! - a request head arrives within `client_header_timeout` — from the accept for the
+//!   first request, from its first byte for a later one — and is at most
+//!   [`MAX_HEADER_BYTES`]; beyond that the client gets a 431 with the family's JSON
+//!   error body; a malformed head gets a 400, a `CONNECT` a 405; each then closes the
+//!   connection;
+//! - an idle kept-alive connection closes after `keepalive_timeout`, and at once when
+//!   the server shuts down; a request whose head is arriving is not cut by the shutdown;
+//! - a request body never pauses longer than `client_body_timeout` between reads, and a
+//!   body declared larger than the caller's limit is refused before it is read;
+//! - a response is framed by its length, by chunks (HTTP/1.1) or by the close
+//!   (HTTP/1.0); the connection carries another request only after a complete response
+//!   to a request whose body was read whole, when both sides keep it alive and the
+//!   server is not stopping;
+//! - a client that takes no response bytes for [`SEND_TIMEOUT`] is cut;
+//! - pipelined requests are answered in order: bytes that arrive early stay in the
+//!   buffer, including those seen while watching for a disconnect.
+
+use super::frontdoor::ClientLimits;
+use crate::codes::ErrorCode;
+use crate::config::Family;
+use crate::error::ClientError;
+use crate::http1::head::parse_request;
+use crate::http1::wire::{self, ChunkLine, LAST_CHUNK};
+use crate::http1::{BodyLen, BodyReader, Piece, RequestHead};
+use bytes::{Buf, Bytes, BytesMut};
+use futures::FutureExt;
+use pingora::server::ShutdownWatch;
+use std::io;
+use std::pin::Pin;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tokio::time::Sleep;
+
+/// Largest request head accepted (request line and fields, blank line included).
+pub const MAX_HEADER_BYTES: usize = 64 * 1024;
+
+/// A client that takes no response bytes for this long (its receive window stays shut)
+/// is cut: it would hold its connection slot, an upstream socket and its permits.
+pub const SEND_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Body bytes copied behind a response head (or a chunk's size line) so both leave in one
+/// send; a larger piece follows in the same vectored write.
+const COPY_BODY: usize = 16 * 1024;
+
+/// Room made in the read buffer before each read.
+const READ_ROOM: usize = 4 * 1024;
+
+/// A request body larger than this gets its bytes to itself: the read buffer is
+/// replaced, so a long stream after a large prompt does not keep the prompt's memory.
+const LARGE_BODY: usize = 64 * 1024;
+
+/// How a response body is delimited.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BodySize {
+    /// Exactly this many bytes (`Content-Length`).
+    Exactly(u64),
+    /// Not known: chunked to an HTTP/1.1 client, to the close for HTTP/1.0.
+    Unknown,
+    /// No body (204, 304).
+    None,
+}
+
+/// Where the response to the current request is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Out {
+    /// Nothing written yet.
+    Nothing,
+    /// The head is written (maybe not sent yet); the body goes out as framed.
+    Body(Framing),
+    /// Complete.
+    Done,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Framing {
+    Length,
+    Chunked,
+    Close,
+    Empty,
+}
+
+/// Why a request body could not be read.
+#[derive(Debug)]
+pub enum BodyFail {
+    /// Larger than the caller's limit.
+    TooLarge,
+    /// It stopped arriving for `client_body_timeout`.
+    Timeout,
+    /// Its framing is broken, or the connection failed or closed inside it.
+    Broken(String),
+}
+
+/// The next request on a connection, or its end.
+pub enum Incoming {
+    Request(RequestHead),
+    /// The client closed, timed out, was refused, or the server is stopping.
+    End,
+}
+
+/// One client connection.
+pub struct ClientConn {
+    io: TcpStream,
+    buf: BytesMut,
+    out: Vec<u8>,
+    limits: ClientLimits,
+    accepted: Instant,
+    /// The idle and header waits; reset per wait, allocated once.
+    timer: Pin<Box<Sleep>>,
+    shutdown: ShutdownWatch,
+    draining: watch::Receiver<bool>,
+    served: u64,
+    // The current request.
+    body: BodyReader,
+    continue_owed: bool,
+    http11: bool,
+    keep_alive: bool,
+    response: Out,
+    sent: u64,
+}
+
+impl ClientConn {
+    pub fn new(
+        io: TcpStream,
+        limits: ClientLimits,
+        accepted: Instant,
+        shutdown: ShutdownWatch,
+        draining: watch::Receiver<bool>,
+    ) -> ClientConn {
+        ClientConn {
+            io,
+            buf: BytesMut::new(),
+            out: Vec::new(),
+            timer: Box::pin(tokio::time::sleep_until(
+                (accepted + limits.header_timeout).into(),
+            )),
+            limits,
+            accepted,
+            shutdown,
+            draining,
+            served: 0,
+            body: BodyReader::new(BodyLen::Empty),
+            continue_owed: false,
+            http11: true,
+            keep_alive: false,
+            response: Out::Done,
+            sent: 0,
+        }
+    }
+
+    /// The server is stopping (drain or shutdown): no more keep-alive.
+    fn stopping(&self) -> bool {
+        *self.shutdown.borrow() || *self.draining.borrow()
+    }
+
+    /// Reads the next request's head. Refused heads are answered here (and end the
+    /// connection); so do a close, a timeout, and a shutdown while idle.
+    pub async fn next_request(&mut self) -> Incoming {
+        let mut deadline = (self.served == 0).then(|| self.accepted + self.limits.header_timeout);
+        loop {
+            if !self.buf.is_empty() {
+                let now = crate::clock::monotonic();
+                deadline.get_or_insert(now + self.limits.header_timeout);
+                match parse_request(&self.buf, MAX_HEADER_BYTES) {
+                    Ok(Some((head, n))) => {
+                        self.buf.advance(n);
+                        return self.begin(head).await;
+                    }
+                    Ok(None) if self.buf.len() < MAX_HEADER_BYTES => {}
+                    Ok(None) => {
+                        let e = ClientError::new(
+                            ErrorCode::HeaderTooLarge,
+                            format!("request header exceeds {MAX_HEADER_BYTES} bytes"),
+                        );
+                        return self.refuse(e).await;
+                    }
+                    Err(e) => {
+                        let e =
+                            ClientError::invalid_request(format!("malformed HTTP request: {e}"));
+                        return self.refuse(e).await;
+                    }
+                }
+            }
+            let idle = deadline.is_none();
+            let until = match deadline {
+                Some(d) => d,
+                // Kept alive when the last response was written (not while stopping).
+                None if self.keep_alive => {
+                    crate::clock::monotonic() + self.limits.keepalive_timeout
+                }
+                None => return Incoming::End,
+            };
+            self.timer.as_mut().reset(until.into());
+            reserve(&mut self.buf);
+            let read = tokio::select! {
+                biased;
+                r = self.io.read_buf(&mut self.buf) => r,
+                _ = &mut self.timer => return Incoming::End,
+                _ = stopped(&mut self.shutdown), if idle => return Incoming::End,
+            };
+            match read {
+                Ok(0) | Err(_) => return Incoming::End,
+                Ok(_) => {}
+            }
+        }
+    }
+
+    /// A head was read: the request's state starts from it.
+    async fn begin(&mut self, head: RequestHead) -> Incoming {
+        if head.method() == "CONNECT" {
+            let e = ClientError::new(ErrorCode::MethodNotAllowed, "method not allowed");
+            return self.refuse_in(e, family_of(head.path().as_bytes())).await;
+        }
+        self.served += 1;
+        self.body = BodyReader::new(head.body());
+        self.continue_owed = head.expects_continue() && !self.body.is_done();
+        self.http11 = head.is_http11();
+        self.keep_alive = head.keep_alive() && !self.stopping();
+        self.response = Out::Nothing;
+        self.sent = 0;
+        Incoming::Request(head)
+    }
+
+    /// Answers a head the gateway will not serve, and ends the connection.
+    async fn refuse(&mut self, e: ClientError) -> Incoming {
+        let family = family_of(first_line(&self.buf));
+        self.refuse_in(e, family).await
+    }
+
+    async fn refuse_in(&mut self, e: ClientError, family: Family) -> Incoming {
+        let bytes = error_response(&e, family);
+        let _ = self.send(&bytes, &[], &[]).await;
+        self.close().await;
+        Incoming::End
+    }
+
+    /// No further request on this connection (the request's body cannot be trusted,
+    /// or the server is stopping).
+    pub fn no_keep_alive(&mut self) {
+        self.keep_alive = false;
+    }
+
+    /// Reads the whole request body, at most `limit` bytes, answering
+    /// `Expect: 100-continue` first. On failure the connection carries no other request.
+    pub async fn read_body(&mut self, limit: usize) -> Result<Bytes, BodyFail> {
+        let got = self.read_whole_body(limit).await;
+        if got.is_err() {
+            self.keep_alive = false;
+        }
+        got
+    }
+
+    async fn read_whole_body(&mut self, limit: usize) -> Result<Bytes, BodyFail> {
+        if let Some(n) = self.body.remaining() {
+            if n > limit as u64 {
+                return Err(BodyFail::TooLarge);
+            }
+            // The whole body in the buffer first: it is then split off without a copy.
+            let n = n as usize;
+            if self.buf.len() < n {
+                self.buf.reserve(n - self.buf.len());
+            }
+            while self.buf.len() < n {
+                self.read_more().await?;
+            }
+        }
+        let mut first: Option<Bytes> = None;
+        let mut joined = BytesMut::new();
+        loop {
+            let piece = self
+                .body
+                .next(&mut self.buf)
+                .map_err(|e| BodyFail::Broken(e.to_string()))?;
+            match piece {
+                Piece::Data(d) => {
+                    let have = first.as_ref().map_or(joined.len(), Bytes::len);
+                    if have + d.len() > limit {
+                        return Err(BodyFail::TooLarge);
+                    }
+                    match first.take() {
+                        None if joined.is_empty() => first = Some(d),
+                        held => {
+                            if let Some(f) = held {
+                                joined.extend_from_slice(&f);
+                            }
+                            joined.extend_from_slice(&d);
+                        }
+                    }
+                }
+                Piece::More => self.read_more().await?,
+                Piece::End => break,
+            }
+        }
+        let body = first.unwrap_or_else(|| joined.freeze());
+        if body.len() > LARGE_BODY {
+            // Whatever follows (a pipelined request) moves to a buffer of its own.
+            self.buf = BytesMut::from(&self.buf[..]);
+        }
+        Ok(body)
+    }
+
+    /// One read of the body, within `client_body_timeout`.
+    async fn read_more(&mut self) -> Result<(), BodyFail> {
+        if std::mem::take(&mut self.continue_owed) {
+            self.send(b"HTTP/1.1 100 Continue\r\n\r\n", &[], &[])
+                .await
+                .map_err(|e| BodyFail::Broken(format!("cannot answer 100-continue: {e}")))?;
+        }
+        reserve(&mut self.buf);
+        let read = tokio::time::timeout(self.limits.body_timeout, self.io.read_buf(&mut self.buf));
+        match read.await {
+            Err(_) => Err(BodyFail::Timeout),
+            Ok(Ok(0)) => Err(BodyFail::Broken(
+                "the connection closed inside the body".into(),
+            )),
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(BodyFail::Broken(e.to_string())),
+        }
+    }
+
+    /// Resolves when the client closes the connection or it fails (`true`), or when the
+    /// client sends bytes (`false`: a pipelined request, kept for later). Bytes of the
+    /// current request's body must have been read before.
+    pub async fn closed_or_data(&mut self) -> bool {
+        loop {
+            if self.io.readable().await.is_err() {
+                return true;
+            }
+            reserve(&mut self.buf);
+            match self.io.try_read_buf(&mut self.buf) {
+                Ok(0) => return true,
+                Ok(_) => return false,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(_) => return true,
+            }
+        }
+    }
+
+    /// Starts the response: its status line, then the fields given to the returned writer.
+    pub fn head(&mut self, status: u16) -> HeadOut<'_> {
+        self.out.clear();
+        wire::status_line(&mut self.out, status);
+        HeadOut { conn: self }
+    }
+
+    /// Whether a response (or part of one) was written.
+    pub fn responded(&self) -> bool {
+        self.response != Out::Nothing
+    }
+
+    /// Body bytes written for the current response (framing not counted).
+    pub fn body_sent(&self) -> u64 {
+        self.sent
+    }
+
+    /// Whether the client speaks HTTP/1.1 (a body of unknown length is then chunked).
+    pub fn is_http11(&self) -> bool {
+        self.http11
+    }
+
+    /// Writes body bytes (after the head, which leaves with the first of them), and the
+    /// body's end when `last`.
+    pub async fn write_body(&mut self, data: &[u8], last: bool) -> io::Result<()> {
+        let Out::Body(framing) = self.response else {
+            return Err(io::Error::other("no response head to write a body after"));
+        };
+        let data = if framing == Framing::Empty {
+            &[][..]
+        } else {
+            data
+        };
+        let mut tail: &[u8] = &[];
+        if framing == Framing::Chunked {
+            if !data.is_empty() {
+                self.out
+                    .extend_from_slice(ChunkLine::new(data.len()).as_bytes());
+            }
+            tail = match (data.is_empty(), last) {
+                (false, true) => b"\r\n0\r\n\r\n",
+                (false, false) => b"\r\n",
+                (true, true) => LAST_CHUNK,
+                (true, false) => b"",
+            };
+        }
+        if last {
+            self.response = Out::Done;
+            if framing == Framing::Close {
+                self.keep_alive = false;
+            }
+        }
+        self.sent += data.len() as u64;
+        let mut out = std::mem::take(&mut self.out);
+        let sent = if data.len() <= COPY_BODY {
+            out.extend_from_slice(data);
+            out.extend_from_slice(tail);
+            self.send(&out, &[], &[]).await
+        } else {
+            self.send(&out, data, tail).await
+        };
+        out.clear();
+        self.out = out;
+        if self.out.capacity() > 4 * COPY_BODY {
+            self.out = Vec::new();
+        }
+        sent
+    }
+
+    /// Sends `a`, `b` and `c` in order (vectored), within [`SEND_TIMEOUT`] (no timer
+    /// when the socket takes them at once).
+    async fn send(&mut self, a: &[u8], b: &[u8], c: &[u8]) -> io::Result<()> {
+        let mut all = Buf::chain(Buf::chain(a, b), c);
+        let write = self.io.write_all_buf(&mut all);
+        tokio::pin!(write);
+        if let Some(r) = (&mut write).now_or_never() {
+            return r;
+        }
+        match tokio::time::timeout(SEND_TIMEOUT, write).await {
+            Ok(r) => r,
+            Err(_) => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client took no response bytes for 60 s",
+            )),
+        }
+    }
+
+    /// After a request that was answered: whether the connection may carry the next one
+    /// (a complete response, the request's body read whole or already here, keep-alive
+    /// on both sides).
+    pub fn reusable(&mut self) -> bool {
+        if self.response != Out::Done || !self.keep_alive {
+            return false;
+        }
+        // A body the answer did not need (a refusal) is skipped if it is all here.
+        while !self.body.is_done() {
+            match self.body.next(&mut self.buf) {
+                Ok(Piece::Data(_)) => {}
+                Ok(Piece::End) => break,
+                Ok(Piece::More) | Err(_) => return false,
+            }
+        }
+        true
+    }
+
+    /// Closes the connection after sending what is still held.
+    pub async fn close(&mut self) {
+        if !self.out.is_empty() {
+            let out = std::mem::take(&mut self.out);
+            let _ = self.send(&out, &[], &[]).await;
+        }
+        let _ = self.io.shutdown().await;
+    }
+}
+
+/// Writes a response head's fields; [`HeadOut::end`] frames the body and ends the head.
+pub struct HeadOut<'c> {
+    conn: &'c mut ClientConn,
+}
+
+impl HeadOut<'_> {
+    pub fn field(&mut self, name: &[u8], value: &[u8]) -> &mut Self {
+        wire::field(&mut self.conn.out, name, value);
+        self
+    }
+
+    pub fn number(&mut self, name: &[u8], n: u64) -> &mut Self {
+        wire::field_number(&mut self.conn.out, name, n);
+        self
+    }
+
+    /// Adds the framing and connection fields for a body of `size` and ends the head;
+    /// it leaves with the first body bytes written.
+    pub fn end(self, size: BodySize) {
+        let c = self.conn;
+        let framing = match size {
+            BodySize::Exactly(n) => {
+                wire::field_number(&mut c.out, b"Content-Length", n);
+                Framing::Length
+            }
+            BodySize::None => Framing::Empty,
+            BodySize::Unknown if c.http11 => {
+                c.out.extend_from_slice(b"Transfer-Encoding: chunked\r\n");
+                Framing::Chunked
+            }
+            BodySize::Unknown => {
+                c.keep_alive = false;
+                Framing::Close
+            }
+        };
+        if c.stopping() {
+            c.keep_alive = false;
+        }
+        match (c.keep_alive, c.http11) {
+            (false, true) => c.out.extend_from_slice(b"Connection: close\r\n"),
+            (true, false) => c.out.extend_from_slice(b"Connection: keep-alive\r\n"),
+            _ => {}
+        }
+        c.out.extend_from_slice(b"\r\n");
+        c.response = Out::Body(framing);
+    }
+}
+
+/// Makes room for a read: an empty buffer gets [`READ_ROOM`]; a full one grows.
+fn reserve(buf: &mut BytesMut) {
+    if buf.capacity() - buf.len() < READ_ROOM / 4 {
+        buf.reserve(READ_ROOM);
+    }
+}
+
+/// Resolves once the server is shutting down.
+async fn stopped(shutdown: &mut ShutdownWatch) {
+    if shutdown.wait_for(|s| *s).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// The request line (up to the first `\n`) of a buffer.
+fn first_line(b: &[u8]) -> &[u8] {
+    let end = memchr::memchr(b'\n', b).unwrap_or(b.len());
+    &b[..end]
+}
+
+/// The family whose error shape a refused request gets: Anthropic's for its route.
+fn family_of(line: &[u8]) -> Family {
+    if memchr::memmem::find(line, b"/v1/messages").is_some() {
+        Family::Anthropic
+    } else {
+        Family::OpenAi
+    }
+}
+
+/// A complete `Connection: close` response carrying `e` as the family's JSON error.
+pub fn error_response(e: &ClientError, family: Family) -> Vec<u8> {
+    let body = crate::proxy::respond::error_body(family, e);
+    let mut out = Vec::with_capacity(128 + body.len());
+    wire::status_line(&mut out, e.status());
+    wire::field(&mut out, b"Content-Type", b"application/json");
+    wire::field_number(&mut out, b"Content-Length", body.len() as u64);
+    wire::field(&mut out, b"Connection", b"close");
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(&body);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_net::{loopback, nothing_to_read};
+    use tokio::io::AsyncReadExt;
+
+    fn limits() -> ClientLimits {
+        ClientLimits {
+            header_timeout: Duration::from_millis(300),
+            body_timeout: Duration::from_millis(300),
+            keepalive_timeout: Duration::from_secs(5),
+            max_connections: 16,
+        }
+    }
+
+    /// (our side of a fresh connection, the client's side, the shutdown switch).
+    async fn pair() -> (ClientConn, TcpStream, watch::Sender<bool>) {
+        let (client, server) = loopback().await;
+        let (stop, shutdown) = watch::channel(false);
+        let (_drain, draining) = watch::channel(false);
+        let conn = ClientConn::new(
+            server,
+            limits(),
+            crate::clock::monotonic(),
+            shutdown,
+            draining,
+        );
+        (conn, client, stop)
+    }
+
+    async fn request(conn: &mut ClientConn) -> RequestHead {
+        match conn.next_request().await {
+            Incoming::Request(h) => h,
+            Incoming::End => panic!("no request"),
+        }
+    }
+
+    async fn read_until_close(s: &mut TcpStream) -> String {
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut got))
+            .await
+            .expect("never closed")
+            .unwrap();
+        String::from_utf8_lossy(&got).into_owned()
+    }
+
+    async fn read_n(s: &mut TcpStream, n: usize) -> String {
+        let mut got = vec![0u8; n];
+        tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut got))
+            .await
+            .expect("bytes never came")
+            .unwrap();
+        String::from_utf8(got).unwrap()
+    }
+
+    #[tokio::test]
+    async fn pipelined_requests_with_bodies_are_read_in_order_and_answered_in_one_send() {
+        let (mut conn, mut client, _stop) = pair().await;
+        client
+            .write_all(
+                b"POST /a HTTP/1.1\r\nContent-Length: 3\r\n\r\nabcPOST /b HTTP/1.1\r\n\
+                  Transfer-Encoding: chunked\r\n\r\n2\r\nxy\r\n1\r\nz\r\n0\r\n\r\n",
+            )
+            .await
+            .unwrap();
+        let h = request(&mut conn).await;
+        assert_eq!(h.path(), "/a");
+        assert_eq!(conn.read_body(100).await.unwrap(), &b"abc"[..]);
+        let mut out = conn.head(200);
+        out.field(b"X-A", b"1");
+        out.end(BodySize::Exactly(2));
+        assert!(
+            nothing_to_read(&mut client).await,
+            "the head left before its body"
+        );
+        conn.write_body(b"ok", true).await.unwrap();
+        let want = "HTTP/1.1 200 OK\r\nX-A: 1\r\nContent-Length: 2\r\n\r\nok";
+        assert_eq!(read_n(&mut client, want.len()).await, want);
+        assert_eq!(conn.body_sent(), 2);
+        assert!(conn.reusable());
+        let h = request(&mut conn).await;
+        assert_eq!(h.path(), "/b");
+        assert_eq!(conn.read_body(100).await.unwrap(), &b"xyz"[..]);
+    }
+
+    #[tokio::test]
+    async fn an_unknown_length_is_chunked_for_http_1_1_and_to_the_close_for_http_1_0() {
+        let (mut conn, mut client, _stop) = pair().await;
+        client.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+        request(&mut conn).await;
+        conn.head(200).end(BodySize::Unknown);
+        conn.write_body(b"data: a\n\n", false).await.unwrap();
+        conn.write_body(b"data: b\n\n", true).await.unwrap();
+        let want = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\ndata: a\n\n\r\n\
+                    9\r\ndata: b\n\n\r\n0\r\n\r\n";
+        assert_eq!(read_n(&mut client, want.len()).await, want);
+        assert!(conn.reusable());
+
+        let (mut conn, mut client, _stop) = pair().await;
+        client
+            .write_all(b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+            .await
+            .unwrap();
+        request(&mut conn).await;
+        conn.head(200).end(BodySize::Unknown);
+        conn.write_body(b"all", true).await.unwrap();
+        assert!(!conn.reusable(), "a body ended by the close");
+        conn.close().await;
+        assert_eq!(
+            read_until_close(&mut client).await,
+            "HTTP/1.1 200 OK\r\n\r\nall",
+            "an HTTP/1.0 answer closes by default: no keep-alive field"
+        );
+    }
+
+    #[tokio::test]
+    async fn expect_continue_is_answered_before_the_body_is_read() {
+        let (mut conn, mut client, _stop) = pair().await;
+        client
+            .write_all(b"POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 4\r\n\r\n")
+            .await
+            .unwrap();
+        request(&mut conn).await;
+        let reader = tokio::spawn(async move {
+            let body = conn.read_body(100).await.unwrap();
+            (conn, body)
+        });
+        let want = "HTTP/1.1 100 Continue\r\n\r\n";
+        assert_eq!(read_n(&mut client, want.len()).await, want);
+        client.write_all(b"body").await.unwrap();
+        let (_conn, body) = reader.await.unwrap();
+        assert_eq!(body, &b"body"[..]);
+    }
+
+    #[tokio::test]
+    async fn bodies_too_large_late_or_broken_are_refused_and_end_keep_alive() {
+        let (mut conn, mut client, _stop) = pair().await;
+        client
+            .write_all(b"POST / HTTP/1.1\r\nContent-Length: 1000\r\n\r\n")
+            .await
+            .unwrap();
+        request(&mut conn).await;
+        assert!(matches!(conn.read_body(999).await, Err(BodyFail::TooLarge)));
+        conn.head(413).end(BodySize::Exactly(0));
+        conn.write_body(b"", true).await.unwrap();
+        assert!(!conn.reusable());
+
+        let (mut conn, mut client, _stop) = pair().await;
+        client
+            .write_all(b"POST / HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc")
+            .await
+            .unwrap();
+        request(&mut conn).await;
+        assert!(matches!(conn.read_body(100).await, Err(BodyFail::Timeout)));
+
+        let (mut conn, mut client, _stop) = pair().await;
+        client
+            .write_all(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+            .await
+            .unwrap();
+        request(&mut conn).await;
+        assert!(matches!(
+            conn.read_body(100).await,
+            Err(BodyFail::Broken(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn refused_heads_get_a_json_error_and_a_close() {
+        for (wire, status) in [
+            (
+                &b"POST /v1/messages HTTP/1.1\r\nBad Field\r\n\r\n"[..],
+                "400",
+            ),
+            (b"CONNECT /v1/messages HTTP/1.1\r\n\r\n", "405"),
+        ] {
+            let (mut conn, mut client, _stop) = pair().await;
+            client.write_all(wire).await.unwrap();
+            assert!(matches!(conn.next_request().await, Incoming::End));
+            let text = read_until_close(&mut client).await;
+            assert!(text.starts_with(&format!("HTTP/1.1 {status} ")), "{text}");
+            assert!(text.contains("Connection: close"), "{text}");
+            let body: serde_json::Value =
+                serde_json::from_str(text.split_once("\r\n\r\n").unwrap().1).unwrap();
+            assert_eq!(body["type"], "error", "the Anthropic shape: {text}");
+        }
+        let (mut conn, mut client, _stop) = pair().await;
+        let big = format!("GET / HTTP/1.1\r\nX: {}\r\n", "x".repeat(MAX_HEADER_BYTES));
+        let writer = tokio::spawn(async move {
+            let _ = client.write_all(big.as_bytes()).await;
+            client
+        });
+        assert!(matches!(conn.next_request().await, Incoming::End));
+        let mut client = writer.await.unwrap();
+        let text = read_until_close(&mut client).await;
+        assert!(text.starts_with("HTTP/1.1 431 "), "{text}");
+    }
+
+    #[tokio::test]
+    async fn a_slow_head_is_cut_and_an_idle_connection_ends_at_shutdown() {
+        let (mut conn, mut client, _stop) = pair().await;
+        client.write_all(b"GET / HTTP/1.1\r\n").await.unwrap();
+        // Cut by the header timeout (300 ms here); without it the wait would never end.
+        let ended = tokio::time::timeout(Duration::from_secs(10), conn.next_request()).await;
+        assert!(matches!(ended, Ok(Incoming::End)));
+
+        let (mut conn, mut client, stop) = pair().await;
+        client.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+        request(&mut conn).await;
+        conn.head(204).end(BodySize::None);
+        conn.write_body(b"", true).await.unwrap();
+        assert!(conn.reusable());
+        let waiting =
+            tokio::spawn(async move { matches!(conn.next_request().await, Incoming::End) });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        stop.send_replace(true);
+        assert!(tokio::time::timeout(Duration::from_secs(5), waiting)
+            .await
+            .expect("the idle connection outlived the shutdown")
+            .unwrap());
+    }
+
+    #[tokio::test]
+    async fn bytes_sent_while_watching_are_kept_and_a_close_is_seen() {
+        let (mut conn, mut client, _stop) = pair().await;
+        client.write_all(b"GET /a HTTP/1.1\r\n\r\n").await.unwrap();
+        request(&mut conn).await;
+        client.write_all(b"GET /b HTTP/1.1\r\n\r\n").await.unwrap();
+        assert!(!conn.closed_or_data().await, "data is not a close");
+        conn.head(200).end(BodySize::Exactly(0));
+        conn.write_body(b"", true).await.unwrap();
+        assert!(conn.reusable());
+        assert_eq!(request(&mut conn).await.path(), "/b");
+        drop(client);
+        assert!(conn.closed_or_data().await);
+    }
+}
