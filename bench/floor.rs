@@ -71,7 +71,7 @@ impl Floor {
             return false;
         };
         let mut h = conn.head(answer.status());
-        response_head(&mut h, &answer, &[]);
+        response_head(&mut h, &answer);
         h.end(body_size(&answer));
         let mut batch = Vec::new();
         loop {

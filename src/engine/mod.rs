@@ -8,6 +8,7 @@
 //! the store except for the terminal states SPEC §7 requires to be durable first.
 
 pub mod handover;
+pub mod hot_metrics;
 pub mod judge;
 pub mod permits;
 pub mod record;
@@ -92,6 +93,8 @@ pub struct Snapshot {
     slots: Vec<OnceLock<Vec<Slot>>>,
     /// Masks this generation's credential values in upstream text (SPEC §3).
     pub redactor: crate::policy::redact::Redactor,
+    /// The metric series of the hot path, looked up once.
+    pub hot: hot_metrics::HotMetrics,
 }
 
 impl Snapshot {
@@ -202,12 +205,17 @@ impl Snapshot {
                 .flat_map(|p| &p.connections)
                 .filter_map(|c| c.key.as_ref().map(|k| k.expose())),
         );
+        let hot = hot_metrics::HotMetrics::new(
+            config.models.len(),
+            config.providers.iter().map(|p| p.connections.len()),
+        );
         Self {
             config,
             rules,
             generation,
             sources,
             base,
+            hot,
             models,
             patterns,
             clients,

@@ -13,8 +13,8 @@
 //! session keys are ever stored.
 
 use super::select::breaker_config;
-use super::state::{change, conn_key, lock};
-use super::{Engine, Snapshot};
+use super::state::{change, lock};
+use super::{Engine, Signals, Snapshot};
 use crate::cluster::{Acquired, Cluster, ClusterError};
 use crate::config::Client;
 use crate::policy::affinity::Pin;
@@ -24,6 +24,7 @@ use crate::policy::lease::{effective_ttl, owner_hash, owner_token, Lease, LeaseE
 use crate::policy::Millis;
 use crate::routing::parse_rate_limit;
 use crate::store::{Change, CommitWait, Image, StoreError, Table};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -393,29 +394,24 @@ impl Engine {
             .map(|p| p.connection.clone())
     }
 
-    /// Records upstream rate-limit headers of any response on a connection.
+    /// Records upstream rate-limit headers of any response on a connection
+    /// (`provider/connection`).
     pub fn note_rate_limit(
         &self,
-        provider: &str,
-        connection: &str,
+        conn_key: &str,
         headers: &(impl crate::policy::fields::Fields + ?Sized),
     ) {
         if let Some(info) = parse_rate_limit(headers, self.now()) {
-            lock(&self.signals)
-                .entry(conn_key(provider, connection))
-                .or_default()
-                .rate = Some(info);
+            with_signals(&mut lock(&self.signals), conn_key, |s| s.rate = Some(info));
         }
     }
 
-    /// Records a time-to-first-byte sample of a connection.
-    pub fn note_ttfb(&self, provider: &str, connection: &str, ttfb: Duration) {
+    /// Records a time-to-first-byte sample of a connection (`provider/connection`).
+    pub fn note_ttfb(&self, conn_key: &str, ttfb: Duration) {
         let now = self.now();
-        lock(&self.signals)
-            .entry(conn_key(provider, connection))
-            .or_default()
-            .latency
-            .record(ttfb.as_secs_f64() * 1000.0, now);
+        with_signals(&mut lock(&self.signals), conn_key, |s| {
+            s.latency.record(ttfb.as_secs_f64() * 1000.0, now)
+        });
     }
 
     /// Restores pins and leases from the store image (expired ones are dropped).
@@ -448,6 +444,17 @@ impl Engine {
     pub fn overrides_from(image: &Image) -> std::collections::BTreeMap<String, serde_json::Value> {
         image.get(&Table::Overrides).cloned().unwrap_or_default()
     }
+}
+
+/// Changes the signals of a connection, made on its first sample (the key is copied
+/// only then).
+fn with_signals(map: &mut HashMap<String, Signals>, conn_key: &str, f: impl FnOnce(&mut Signals)) {
+    if let Some(s) = map.get_mut(conn_key) {
+        return f(s);
+    }
+    let mut s = Signals::default();
+    f(&mut s);
+    map.insert(conn_key.to_string(), s);
 }
 
 #[cfg(test)]

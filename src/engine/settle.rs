@@ -61,9 +61,9 @@ impl Engine {
         let pick = a.pick;
         let (label, ended, verdict) = match outcome {
             AttemptOutcome::Committed { headers, latency } => {
-                let (p, c) = self.ids(a);
-                self.note_rate_limit(p, c, headers);
-                self.note_ttfb(p, c, latency);
+                let key = a.snap.conn_key(pick.provider, pick.connection);
+                self.note_rate_limit(key, headers);
+                self.note_ttfb(key, latency);
                 self.record(a, Outcome::Success);
                 if let Some(key) = a.pin {
                     let target = &a.snap.config.models[a.model].targets[a.pick.target].model;
@@ -81,10 +81,9 @@ impl Engine {
                 headers,
                 body,
             } => {
-                let (p, c) = self.ids(a);
                 let scoped = a.scoped(status);
                 if !scoped {
-                    self.note_rate_limit(p, c, headers);
+                    self.note_rate_limit(a.snap.conn_key(pick.provider, pick.connection), headers);
                 }
                 let mut v = self.judge_http(a, status, headers, body);
                 v.class.retryable &= !a.scoped(v.status);
@@ -118,10 +117,15 @@ impl Engine {
             }
         };
         let (p, c) = self.ids(a);
-        self.metrics
-            .attempts_total
-            .with_label_values(&[p, c, label])
-            .inc();
+        if label == "ok" {
+            let ids = (a.pick.provider, a.pick.connection);
+            a.snap.hot.attempt_ok(&self.metrics, ids, [p, c]).inc();
+        } else {
+            self.metrics
+                .attempts_total
+                .with_label_values(&[p, c, label])
+                .inc();
+        }
         if let Some(v) = &verdict {
             self.commit_urgent(v).await;
         }

@@ -37,18 +37,23 @@ pub fn field_number(out: &mut Vec<u8>, name: &[u8], n: u64) {
 }
 
 /// Appends `n` in decimal.
-pub fn decimal(out: &mut Vec<u8>, mut n: u64) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
+pub fn decimal(out: &mut Vec<u8>, n: u64) {
+    let mut buf = [0u8; 20];
+    out.extend_from_slice(digits(n, &mut buf));
+}
+
+/// `n` in decimal, written at the end of `buf`.
+pub fn digits(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut at = buf.len();
     loop {
         at -= 1;
-        digits[at] = b'0' + (n % 10) as u8;
+        buf[at] = b'0' + (n % 10) as u8;
         n /= 10;
         if n == 0 {
             break;
         }
     }
-    out.extend_from_slice(&digits[at..]);
+    &buf[at..]
 }
 
 /// A chunk's size line (`<hex>\r\n`), without allocating.

@@ -129,11 +129,13 @@ pub(super) struct Inflight(prometheus::IntGauge);
 impl Inflight {
     pub fn start(req: &Request<'_>, pick: Pick) -> Inflight {
         let p = &req.snap.config.providers[pick.provider];
+        let names = [p.id.as_str(), p.connections[pick.connection].id.as_str()];
+        let ids = (pick.provider, pick.connection);
         let gauge = req
-            .engine
-            .metrics
-            .inflight
-            .with_label_values(&[p.id.as_str(), p.connections[pick.connection].id.as_str()]);
+            .snap
+            .hot
+            .inflight(&req.engine.metrics, ids, names)
+            .clone();
         gauge.inc();
         Inflight(gauge)
     }
@@ -433,7 +435,10 @@ fn commit(conn: &mut ClientConn, ctx: &mut RequestCtx, mut c: Committed) -> Atte
         .get("content-type")
         .is_some_and(|v| v.starts_with(b"text/event-stream"));
     let mut h = conn.head(c.head.status());
-    upstream::response_head(&mut h, &c.head, &ctx.sluice_headers());
+    upstream::response_head(&mut h, &c.head);
+    ctx.sluice_fields(|k, v| {
+        h.field(k.as_bytes(), v);
+    });
     h.end(upstream::body_size(&c.head));
     ctx.status = c.head.status();
     ctx.ttfb = Some(ctx.started.elapsed());

@@ -8,11 +8,11 @@
 use super::body::ParsedBody;
 use super::routes::Route;
 use crate::config::{Client, Family};
-use crate::engine::{Engine, Snapshot};
+use crate::engine::{Engine, Pick, Snapshot};
 use crate::http1::RequestHead;
 use crate::policy::lease::Lease;
 use serde_json::{json, Value};
-use std::borrow::Cow;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Everything one request's dispatch needs, pinned at admission. It owns the client's
@@ -38,13 +38,17 @@ pub struct Request<'a> {
 pub struct RequestCtx {
     pub started: Instant,
     pub route: Option<Route>,
-    /// Configured model name, or `unknown` (bounded label; no allocation until known).
-    pub model_label: Cow<'static, str>,
+    /// The configuration the request is served under, once it has one.
+    pub snap: Option<Arc<Snapshot>>,
+    /// The configured model the client asked for (an index into `snap`).
+    pub model: Option<usize>,
+    /// The client's own model id, when a pattern model passes it upstream.
+    pub asked: Option<String>,
     pub client_id: Option<String>,
     pub status: u16,
     pub attempts: u32,
-    /// (provider, connection, upstream model) of the last attempt.
-    pub pick: Option<(String, String, String)>,
+    /// The last attempt's pick, and the model (index) it served.
+    pub pick: Option<(usize, Pick)>,
     pub ttfb: Option<Duration>,
     pub records: Vec<AttemptRecord>,
     /// Error code or abort reason worth logging.
@@ -58,7 +62,9 @@ impl RequestCtx {
         RequestCtx {
             started,
             route: None,
-            model_label: Cow::Borrowed("unknown"),
+            snap: None,
+            model: None,
+            asked: None,
             client_id: None,
             status: 0,
             attempts: 0,
@@ -70,15 +76,44 @@ impl RequestCtx {
         }
     }
 
-    /// `x-sluice-*` headers of the response (SPEC §2).
+    /// The configured model's name, or `unknown` (a bounded metric label).
+    pub fn model_label(&self) -> &str {
+        match (&self.snap, self.model) {
+            (Some(s), Some(m)) => &s.config.models[m].name,
+            _ => "unknown",
+        }
+    }
+
+    /// (provider, connection, upstream model) of the last attempt.
+    pub fn names(&self) -> Option<(&str, &str, &str)> {
+        let ((model, pick), snap) = (self.pick?, self.snap.as_deref()?);
+        let p = &snap.config.providers[pick.provider];
+        let asked = self.asked.as_deref().unwrap_or(self.model_label());
+        Some((
+            &p.id,
+            &p.connections[pick.connection].id,
+            snap.upstream_model(model, pick.target, asked),
+        ))
+    }
+
+    /// Each `x-sluice-*` header of the response (SPEC §2), in order.
+    pub fn sluice_fields(&self, mut field: impl FnMut(&'static str, &[u8])) {
+        if let Some((p, c, m)) = self.names() {
+            field("x-sluice-provider", p.as_bytes());
+            field("x-sluice-connection", c.as_bytes());
+            field("x-sluice-model", m.as_bytes());
+        }
+        let mut buf = [0u8; 20];
+        field(
+            "x-sluice-attempts",
+            crate::http1::wire::digits(u64::from(self.attempts), &mut buf),
+        );
+    }
+
+    /// The `x-sluice-*` headers as owned pairs (for the error responses).
     pub fn sluice_headers(&self) -> Vec<(&'static str, String)> {
         let mut h = Vec::with_capacity(4);
-        if let Some((p, c, m)) = &self.pick {
-            h.push(("x-sluice-provider", p.clone()));
-            h.push(("x-sluice-connection", c.clone()));
-            h.push(("x-sluice-model", m.clone()));
-        }
-        h.push(("x-sluice-attempts", self.attempts.to_string()));
+        self.sluice_fields(|k, v| h.push((k, String::from_utf8_lossy(v).into_owned())));
         h
     }
 

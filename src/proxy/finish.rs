@@ -30,35 +30,42 @@ pub fn record(
     } else {
         ctx.status
     };
-    let mut code = [0u8; 3];
-    m.requests_total
-        .with_label_values(&[route, &*ctx.model_label, status_label(status, &mut code)])
-        .inc();
+    let hot = match (&ctx.snap, ctx.model, ctx.route) {
+        (Some(snap), Some(model), Some(r)) => Some((&snap.hot, model, r)),
+        _ => None,
+    };
+    let kept = hot.filter(|_| status == 200).and_then(|(hot, model, r)| {
+        hot.requests_ok(m, model, (r as usize, r.label()), ctx.model_label())
+    });
+    match kept {
+        Some(counter) => counter.inc(),
+        None => {
+            let mut code = [0u8; 3];
+            m.requests_total
+                .with_label_values(&[route, ctx.model_label(), status_label(status, &mut code)])
+                .inc();
+        }
+    }
     let elapsed = ctx.started.elapsed();
-    if ctx.route.is_some_and(|r| r != Route::Models) && ctx.model_label != "unknown" {
-        m.request_duration_seconds
-            .with_label_values(&[&*ctx.model_label])
+    if let Some((hot, model, _)) = hot.filter(|(_, _, r)| *r != Route::Models) {
+        hot.duration(m, model, ctx.model_label())
             .observe(elapsed.as_secs_f64());
         if let Some(t) = ctx.ttfb {
-            m.ttfb_seconds
-                .with_label_values(&[&*ctx.model_label])
+            hot.ttfb(m, model, ctx.model_label())
                 .observe(t.as_secs_f64());
         }
     }
     if !log.enabled() {
         return;
     }
-    let (provider, connection, upstream_model) = match &ctx.pick {
-        Some((p, c, m)) => (p.as_str(), c.as_str(), m.as_str()),
-        None => ("", "", ""),
-    };
+    let (provider, connection, upstream_model) = ctx.names().unwrap_or(("", "", ""));
     log.write(&Entry {
         at: engine.now(),
         method: head.method(),
         path: head.path(),
         route,
         client: ctx.client_id.as_deref(),
-        model: &ctx.model_label,
+        model: ctx.model_label(),
         status,
         attempts: ctx.attempts,
         provider,

@@ -21,12 +21,17 @@ use crate::http1::{BodyLen, BodyReader, Piece, ResponseHead};
 use bytes::{Buf, Bytes, BytesMut};
 use pingora::protocols::Stream;
 use pingora::{Error, ErrorType, RetryType};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
 
 /// A request body up to this size is copied behind its head (one buffer, one send).
 const COPY_BODY: usize = 16 * 1024;
 /// Room made in the read buffer before each read.
 const READ_ROOM: usize = 8 * 1024;
+/// An idle connection keeps a read buffer up to this size.
+const IDLE_BUFFER: usize = 64 * 1024;
 
 /// An upstream HTTP/1.1 connection and the state of its current exchange.
 pub struct H1 {
@@ -150,9 +155,30 @@ impl H1 {
         self.body.is_done()
     }
 
-    /// The connection, for the idle pool, when it may carry another request.
-    pub fn into_idle(self) -> Option<Stream> {
-        (self.body.is_done() && self.keep_alive && self.buf.is_empty()).then_some(self.io)
+    /// The connection, for the idle pool, when it may carry another request (its read
+    /// buffer kept for the next answer, unless a large body grew it).
+    pub fn into_idle(mut self) -> Option<H1> {
+        if !(self.body.is_done() && self.keep_alive && self.buf.is_empty()) {
+            return None;
+        }
+        if self.buf.capacity() > IDLE_BUFFER {
+            self.buf = BytesMut::new();
+        }
+        Some(self)
+    }
+
+    /// Whether an idle connection has neither been closed nor sent anything: a read
+    /// that would block. (A byte read here is one nobody asked for: the connection is
+    /// not to be used.)
+    pub fn still_open(&mut self) -> bool {
+        let mut byte = [0u8; 1];
+        let mut buf = ReadBuf::new(&mut byte);
+        let mut cx = Context::from_waker(Waker::noop());
+        // Outside the task's cooperative budget: a spent budget would read as "would block".
+        let io = &mut self.io;
+        let read = std::future::poll_fn(|cx| Pin::new(&mut *io).poll_read(cx, &mut buf));
+        let mut read = std::pin::pin!(tokio::task::unconstrained(read));
+        matches!(read.as_mut().poll(&mut cx), Poll::Pending)
     }
 
     /// Closes the connection (an exchange that did not end cleanly).

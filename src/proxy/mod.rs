@@ -46,7 +46,6 @@ use ctx::Request;
 pub use ctx::RequestCtx;
 use routes::Route;
 use serde_json::json;
-use std::borrow::Cow;
 use std::sync::Arc;
 
 /// The client-facing gateway service.
@@ -102,6 +101,7 @@ impl Gateway {
         ctx.route = Some(route);
         let family = route.family();
         let snap = self.engine.snapshot();
+        ctx.snap = Some(snap.clone());
         let client = match admit::client(&snap, head) {
             Ok(c) => c,
             Err(e) => return self.reject(conn, ctx, family, e).await,
@@ -118,7 +118,10 @@ impl Gateway {
             Ok(a) => a,
             Err(e) => return self.reject(conn, ctx, family, e).await,
         };
-        ctx.model_label = Cow::Owned(snap.config.models[a.model].name.clone());
+        ctx.model = Some(a.model);
+        if snap.config.models[a.model].is_pattern() {
+            ctx.asked = Some(a.body.model.clone());
+        }
 
         // select → connect → response → stream, per attempt
         let request = Request {

@@ -183,7 +183,7 @@ impl Driver<'_> {
             return Step::Next(Next::Select);
         };
         ctx.attempts = fsm.attempts() as u32;
-        ctx.pick = Some(names(&self.req, pick));
+        ctx.pick = Some((self.req.model, pick));
         let engine = self.req.engine;
         let inflight = Inflight::start(&self.req, pick);
         let mut probe = slot.probe;
@@ -384,7 +384,7 @@ impl Driver<'_> {
             }
             Answer::PassThrough => match self.held.take() {
                 Some((err, v)) => {
-                    ctx.pick = Some(names(&self.req, err.pick));
+                    ctx.pick = Some((self.req.model, err.pick));
                     respond::pass_through(conn, err, &v, ctx).await
                 }
                 None => {

@@ -18,16 +18,11 @@ use super::h1::H1;
 use super::upconn::UpConn;
 use crate::engine::state::lock;
 use pingora::connectors::{ConnectorOptions, TransportConnector};
-use pingora::protocols::Stream;
 use pingora::upstreams::peer::{HttpPeer, Peer};
 use std::collections::HashMap;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncRead, ReadBuf};
 
 /// Idle connections kept per peer.
 pub const IDLE_PER_PEER: usize = 128;
@@ -38,7 +33,7 @@ pub const IDLE_PER_PEER: usize = 128;
 const SWEEP_EVERY: Duration = Duration::from_secs(10);
 
 struct Idle {
-    stream: Stream,
+    conn: H1,
     since: Instant,
     timeout: Duration,
 }
@@ -72,7 +67,7 @@ impl IdleSet {
     fn sweep(&mut self, now: Instant, out: &mut Vec<Idle>) {
         let before = out.len();
         self.by_peer.retain(|_, list| {
-            take_out(list, out, |i| i.expired(now) || !still_open(&mut i.stream));
+            take_out(list, out, |i| i.expired(now) || !i.conn.still_open());
             !list.is_empty()
         });
         self.total -= out.len() - before;
@@ -146,8 +141,8 @@ impl Upstreams {
             let (s, reused) = Box::pin(self.multiplexing.get_http_session(peer)).await?;
             return Ok((UpConn::H2(Box::new(s)), reused));
         }
-        if let Some(stream) = self.take(pool_key(peer), crate::clock::monotonic()) {
-            return Ok((UpConn::H1(H1::new(stream)), true));
+        if let Some(conn) = self.take(pool_key(peer), crate::clock::monotonic()) {
+            return Ok((UpConn::H1(conn), true));
         }
         Ok((self.fresh(peer).await?, false))
     }
@@ -167,7 +162,7 @@ impl Upstreams {
         Ok(UpConn::H1(H1::new(stream)))
     }
 
-    fn take(&self, key: u64, now: Instant) -> Option<Stream> {
+    fn take(&self, key: u64, now: Instant) -> Option<H1> {
         let mut closed = Vec::new();
         let found = loop {
             let mut idle = {
@@ -179,8 +174,8 @@ impl Upstreams {
                 set.total -= 1;
                 i
             };
-            if still_open(&mut idle.stream) {
-                break Some(idle.stream);
+            if idle.conn.still_open() {
+                break Some(idle.conn);
             }
             closed.push(idle);
         };
@@ -201,7 +196,7 @@ impl Upstreams {
             }
             UpConn::H1(h1) => h1,
         };
-        let Some(stream) = h1.into_idle() else {
+        let Some(conn) = h1.into_idle() else {
             return;
         };
         if !self.sweeping.swap(true, Ordering::AcqRel) && !spawn_sweeper(&self.idle) {
@@ -214,7 +209,7 @@ impl Upstreams {
             let mut set = lock(&self.idle);
             set.expire(key, now, &mut closed);
             let idle = Idle {
-                stream,
+                conn,
                 since: now,
                 timeout: idle_timeout,
             };
@@ -247,29 +242,20 @@ fn pool_key(peer: &HttpPeer) -> u64 {
     peer.reuse_hash()
 }
 
-/// True when an idle connection has neither been closed nor sent anything: a read that
-/// would block. (A byte read here is one nobody asked for: the connection is dropped.)
-fn still_open(stream: &mut Stream) -> bool {
-    let mut byte = [0u8; 1];
-    let mut buf = ReadBuf::new(&mut byte);
-    let mut cx = Context::from_waker(Waker::noop());
-    // Outside the task's cooperative budget: a spent budget would read as "would block".
-    let read = std::future::poll_fn(|cx| Pin::new(&mut *stream).poll_read(cx, &mut buf));
-    let mut read = std::pin::pin!(tokio::task::unconstrained(read));
-    matches!(read.as_mut().poll(&mut cx), Poll::Pending)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use async_trait::async_trait;
     use pingora::protocols::raw_connect::ProxyDigest;
+    use pingora::protocols::Stream;
     use pingora::protocols::{
         GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, SocketDigest, Ssl,
         TimingDigest, UniqueID, UniqueIDType,
     };
     use std::io;
-    use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+    use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
     use tokio::net::TcpStream;
 
     use crate::test_net::loopback;
@@ -292,7 +278,7 @@ mod tests {
         // Let the FIN arrive.
         tokio::time::sleep(Duration::from_millis(20)).await;
         let idle = |stream, timeout| Idle {
-            stream,
+            conn: H1::new(stream),
             since: now,
             timeout,
         };
@@ -316,8 +302,7 @@ mod tests {
         );
         assert!(pool.take(7, now).is_none());
         // It is the open one: bytes written on it arrive.
-        got.write_all(b"hi").await.unwrap();
-        got.flush().await.unwrap();
+        got.send(b"hi".to_vec(), b"").await.unwrap();
         let mut b = [0u8; 2];
         s3.read_exact(&mut b).await.unwrap();
         assert_eq!(&b, b"hi");
@@ -333,7 +318,7 @@ mod tests {
         drop(s2);
         tokio::time::sleep(Duration::from_millis(20)).await;
         let idle = |stream, timeout| Idle {
-            stream,
+            conn: H1::new(stream),
             since: now,
             timeout,
         };

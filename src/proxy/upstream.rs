@@ -184,13 +184,10 @@ pub fn body_size(up: &ResponseHead) -> BodySize {
     }
 }
 
-/// Writes the client-facing head of an upstream answer: its status and fields (less
-/// hop-by-hop and framing ones), then `sluice`'s.
-pub fn response_head(h: &mut HeadOut<'_>, up: &ResponseHead, sluice: &[(&'static str, String)]) {
+/// Writes the fields of an upstream answer to the client's head, less hop-by-hop and
+/// framing ones.
+pub fn response_head(h: &mut HeadOut<'_>, up: &ResponseHead) {
     forward_fields(h, up.fields(), &[]);
-    for (k, v) in sluice {
-        h.field(k.as_bytes(), v.as_bytes());
-    }
 }
 
 #[cfg(test)]

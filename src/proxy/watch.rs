@@ -10,6 +10,7 @@
 
 use crate::server::conn::ClientConn;
 use std::future::Future;
+use std::task::Poll;
 use std::time::Duration;
 
 /// How a raced wait ended.
@@ -39,6 +40,15 @@ impl ClientWatch {
         fut: F,
     ) -> Wait<F::Output> {
         tokio::pin!(fut);
+        // Most waits of a request are ready at once (a cached address, a pooled
+        // connection, a body already read): no timer and no client watch for those.
+        let first = std::future::poll_fn(|cx| match fut.as_mut().poll(cx) {
+            Poll::Ready(out) => Poll::Ready(Some(out)),
+            Poll::Pending => Poll::Ready(None),
+        });
+        if let Some(out) = first.await {
+            return Wait::Ready(out);
+        }
         let sleep = tokio::time::sleep(limit);
         tokio::pin!(sleep);
         loop {

@@ -118,6 +118,8 @@ pub struct ClientConn {
     timer: Pin<Box<Sleep>>,
     shutdown: ShutdownWatch,
     draining: watch::Receiver<bool>,
+    /// The server was already stopping when the connection was accepted.
+    stopped_at_start: bool,
     served: u64,
     // The current request.
     body: BodyReader,
@@ -145,6 +147,7 @@ impl ClientConn {
             )),
             limits,
             accepted,
+            stopped_at_start: *shutdown.borrow() || *draining.borrow(),
             shutdown,
             draining,
             served: 0,
@@ -157,9 +160,12 @@ impl ClientConn {
         }
     }
 
-    /// The server is stopping (drain or shutdown): no more keep-alive.
+    /// The server is stopping (drain or shutdown): no more keep-alive. Both watches
+    /// only ever turn true, and the connection marks a value seen only when it ends on
+    /// it, so an unchanged version says "not stopping" without taking the watch's lock.
     fn stopping(&self) -> bool {
-        *self.shutdown.borrow() || *self.draining.borrow()
+        let set = |w: &watch::Receiver<bool>| !matches!(w.has_changed(), Ok(false)) && *w.borrow();
+        self.stopped_at_start || set(&self.shutdown) || set(&self.draining)
     }
 
     /// Reads the next request's head. Refused heads are answered here (and end the
