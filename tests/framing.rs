@@ -233,3 +233,159 @@ fn heartbeats_and_empty_events_do_not_hold_off_the_stall_guard() {
         "heartbeats kept the stream alive for {took:?}"
     );
 }
+
+/// Sends `bytes` on a new connection to the gateway and reads until the gateway closes
+/// it: what arrived, and how the read ended (`Err` for a reset).
+fn raw_exchange(gw: &Gateway, bytes: &[u8]) -> (Vec<u8>, std::io::Result<()>) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(gw.client).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(bytes).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let end = loop {
+        match s.read(&mut buf) {
+            Ok(0) => break Ok(()),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) => break Err(e),
+        }
+    };
+    (got, end)
+}
+
+/// Splits one response off the front of `wire`: its head (lower-cased) and the bytes
+/// after the head's blank line.
+fn split_head(wire: &[u8]) -> (String, &[u8]) {
+    let end = wire
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a complete head");
+    (
+        String::from_utf8_lossy(&wire[..end]).to_ascii_lowercase(),
+        &wire[end + 4..],
+    )
+}
+
+/// Decodes a chunked body at the front of `wire`: the body and what follows it.
+fn dechunk(mut wire: &[u8]) -> (Vec<u8>, &[u8]) {
+    let mut body = Vec::new();
+    loop {
+        let line = wire
+            .windows(2)
+            .position(|w| w == b"\r\n")
+            .expect("a size line");
+        let size = usize::from_str_radix(std::str::from_utf8(&wire[..line]).unwrap(), 16)
+            .expect("a hex chunk size");
+        wire = &wire[line + 2..];
+        if size == 0 {
+            assert_eq!(&wire[..2], b"\r\n", "no trailers, then the end");
+            return (body, &wire[2..]);
+        }
+        body.extend_from_slice(&wire[..size]);
+        assert_eq!(&wire[size..size + 2], b"\r\n");
+        wire = &wire[size + 2..];
+    }
+}
+
+fn post(path: &str, body: &str, version: &str) -> Vec<u8> {
+    format!(
+        "POST {path} {version}\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+const MODELS_CLOSE: &[u8] = b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n";
+
+#[test]
+fn an_event_stream_with_a_content_length_is_chunked_so_its_error_event_fits() {
+    let up = RawUpstream::start(vec![
+        Step::Write(head(
+            200,
+            &["Content-Type: text/event-stream", "Content-Length: 400"],
+        )),
+        Step::Write(b"data: {\"id\":\"1\",\"choices\":[]}\n\n".to_vec()),
+        Step::Sleep(Duration::from_millis(50)),
+        Step::Write(b"data: {\"id\":\"2\",\"ch".to_vec()),
+    ]);
+    let gw = gateway(&up, "");
+    // A second request pipelined behind the stream: its answer must start right after
+    // the stream's last chunk, or the connection is out of step.
+    let mut wire = post(
+        "/v1/chat/completions",
+        r#"{"model":"m","stream":true}"#,
+        "HTTP/1.1",
+    );
+    wire.extend_from_slice(MODELS_CLOSE);
+    let (got, _) = raw_exchange(&gw, &wire);
+    let (h, rest) = split_head(&got);
+    assert!(h.starts_with("http/1.1 200"), "{h}");
+    assert!(h.contains("transfer-encoding: chunked"), "{h}");
+    assert!(!h.contains("content-length"), "{h}");
+    let (body, after) = dechunk(rest);
+    let events = parse_sse(&body);
+    assert_eq!(events[0].json()["id"], "1");
+    let last = events.last().unwrap();
+    assert_eq!(last.json()["error"]["code"], "upstream_error", "{last:?}");
+    let (next, _) = split_head(after);
+    assert!(next.starts_with("http/1.1 200"), "the next answer: {next}");
+    assert!(next.contains("content-type: application/json"), "{next}");
+}
+
+#[test]
+fn a_head_request_gets_fields_but_no_body() {
+    let up = RawUpstream::start(vec![]);
+    let gw = gateway(&up, "");
+    let mut wire = b"HEAD /v1/models HTTP/1.1\r\nHost: gw\r\n\r\n".to_vec();
+    wire.extend_from_slice(MODELS_CLOSE);
+    let (got, _) = raw_exchange(&gw, &wire);
+    let (h, rest) = split_head(&got);
+    assert!(h.contains("content-length: "), "{h}");
+    // The GET's answer follows the HEAD's blank line at once.
+    let (next, body) = split_head(rest);
+    assert!(next.starts_with("http/1.1 200"), "{next}");
+    let j: serde_json::Value = serde_json::from_slice(body).unwrap();
+    assert_eq!(j["object"], "list");
+    assert_eq!(up.calls(), 0);
+}
+
+#[test]
+fn a_cut_answer_to_an_http10_client_ends_in_a_reset_not_a_close() {
+    // An HTTP/1.0 client has no chunks: its body ends with the connection, so only a
+    // reset tells it the body was cut.
+    let up = RawUpstream::start(vec![
+        Step::Write(head(
+            200,
+            &[
+                "Content-Type: application/json",
+                "Transfer-Encoding: chunked",
+            ],
+        )),
+        Step::Write(chunk(br#"{"id":"chatcmpl-1","choices":["#)),
+    ]);
+    let gw = gateway(&up, "");
+    let (got, end) = raw_exchange(
+        &gw,
+        &post("/v1/chat/completions", r#"{"model":"m"}"#, "HTTP/1.0"),
+    );
+    let (h, _) = split_head(&got);
+    assert!(h.starts_with("http/1.1 200"), "{h}");
+    assert!(
+        !h.contains("content-length") && !h.contains("transfer-encoding"),
+        "{h}"
+    );
+    let e = end.expect_err("a clean close would frame the cut body as complete");
+    assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}");
+}
+
+#[test]
+fn a_bare_lf_in_a_chunked_request_body_is_refused() {
+    let up = RawUpstream::start(vec![]);
+    let gw = gateway(&up, "");
+    // `d 0\n`: size 0xd to a lenient reader, a last chunk to another.
+    let wire = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\nd 0\n{\"model\":\"m\"}\r\n0\r\n\r\n";
+    let (got, _) = raw_exchange(&gw, wire);
+    let (h, _) = split_head(&got);
+    assert!(h.starts_with("http/1.1 400"), "{h}");
+    assert_eq!(up.calls(), 0);
+}

@@ -159,6 +159,36 @@ fn an_idle_gateway_exits_at_once_on_sigterm() {
 }
 
 #[test]
+fn a_connection_that_sent_nothing_does_not_hold_up_the_drain() {
+    use std::io::Read;
+    let mock = Mock::start(&[]);
+    let mut gw = Gateway::start(&config(&mock.base_url(), ""), ENV);
+    // Accepted, no byte sent: it would wait out `client_header_timeout` (30 s).
+    let mut silent = std::net::TcpStream::connect(gw.client).unwrap();
+    silent
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let stopped = Instant::now();
+    gw.proc.terminate();
+    let status = gw
+        .proc
+        .wait_exit(Duration::from_secs(10))
+        .expect("the gateway exits");
+    assert!(status.success(), "{status:?}");
+    assert!(
+        stopped.elapsed() < Duration::from_secs(3),
+        "the silent connection held the drain for {:?}",
+        stopped.elapsed()
+    );
+    let mut rest = Vec::new();
+    assert!(
+        silent.read_to_end(&mut rest).is_ok() && rest.is_empty(),
+        "the silent connection was closed without an answer: {rest:?}"
+    );
+}
+
+#[test]
 fn upgrade_hands_over_under_load_without_a_failed_request() {
     let mock = Mock::start(&["--chunks", "10", "--chunk-interval", "300ms"]);
     // Answers 429 (retry in 120 s) after 6 s: a cooldown the old process records

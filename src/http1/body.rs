@@ -48,9 +48,15 @@ impl std::fmt::Display for BodyError {
 /// The chunked decoder's place in the framing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Chunk {
-    /// In a chunk-size line: the size so far and whether any digit was seen; `ext`
-    /// once past the digits (extensions and whitespace are skipped).
-    Size { size: u64, digits: bool, ext: bool },
+    /// In a chunk-size line: the size so far, whether any digit was seen, `ws` after
+    /// whitespace behind the digits (only `;` or the CR may follow), `ext` inside the
+    /// extensions (skipped up to the CR; no control bytes).
+    Size {
+        size: u64,
+        digits: bool,
+        ws: bool,
+        ext: bool,
+    },
     /// After the size line's CR.
     SizeLf { size: u64 },
     /// Data bytes left in this chunk.
@@ -86,6 +92,7 @@ impl BodyReader {
             BodyLen::Chunked => State::Chunked(Chunk::Size {
                 size: 0,
                 digits: false,
+                ws: false,
                 ext: false,
             }),
             BodyLen::UntilClose => State::UntilClose,
@@ -171,20 +178,40 @@ impl BodyReader {
             };
             used += 1;
             at = match at {
-                Chunk::Size { size, digits, ext } => {
+                Chunk::Size {
+                    size,
+                    digits,
+                    ws,
+                    ext,
+                } => {
                     self.seen += 1;
                     if self.seen > MAX_SIZE_LINE {
                         return Err(BodyError::Chunked("chunk-size line too long"));
                     }
                     match b {
                         b'\r' if digits => Chunk::SizeLf { size },
-                        b'\n' if digits => self.size_done(size),
-                        _ if ext => Chunk::Size { size, digits, ext },
-                        b';' | b' ' | b'\t' if digits => Chunk::Size {
+                        b'\n' => {
+                            return Err(BodyError::Chunked("chunk-size line not ended by CRLF"))
+                        }
+                        _ if ext && (b == 0x7f || (b < 0x20 && b != b'\t')) => {
+                            return Err(BodyError::Chunked("control byte in a chunk extension"))
+                        }
+                        _ if ext => at,
+                        b';' if digits => Chunk::Size {
                             size,
                             digits,
+                            ws: false,
                             ext: true,
                         },
+                        b' ' | b'\t' if digits => Chunk::Size {
+                            size,
+                            digits,
+                            ws: true,
+                            ext: false,
+                        },
+                        _ if ws => {
+                            return Err(BodyError::Chunked("only `;` may follow a chunk size"))
+                        }
                         _ => {
                             let d = (b as char)
                                 .to_digit(16)
@@ -195,6 +222,7 @@ impl BodyReader {
                             Chunk::Size {
                                 size: size << 4 | u64::from(d),
                                 digits: true,
+                                ws: false,
                                 ext: false,
                             }
                         }
@@ -208,11 +236,12 @@ impl BodyReader {
                 Chunk::Data(left) => Chunk::Data(left),
                 Chunk::DataEnd { cr } => match (cr, b) {
                     (false, b'\r') => Chunk::DataEnd { cr: true },
-                    (_, b'\n') => {
+                    (true, b'\n') => {
                         self.seen = 0;
                         Chunk::Size {
                             size: 0,
                             digits: false,
+                            ws: false,
                             ext: false,
                         }
                     }
@@ -223,24 +252,25 @@ impl BodyReader {
                     if self.seen > MAX_TRAILERS {
                         return Err(BodyError::Chunked("trailers too long"));
                     }
-                    match (fresh, cr, b) {
-                        (true, _, b'\n') => {
+                    // Every line ends with CRLF; an empty one ends the trailers.
+                    match (cr, b) {
+                        (true, b'\n') if fresh => {
                             buf.advance(used);
                             self.state = State::Done;
                             return Ok(Piece::End);
                         }
-                        (true, false, b'\r') => Chunk::Trailers {
-                            fresh: true,
-                            cr: true,
-                        },
-                        (true, true, _) => {
-                            return Err(BodyError::Chunked("CR without LF in the trailers"))
-                        }
-                        (_, _, b'\n') => Chunk::Trailers {
+                        (true, b'\n') => Chunk::Trailers {
                             fresh: true,
                             cr: false,
                         },
-                        _ => Chunk::Trailers {
+                        (true, _) => {
+                            return Err(BodyError::Chunked("CR without LF in the trailers"))
+                        }
+                        (false, b'\r') => Chunk::Trailers { fresh, cr: true },
+                        (false, b'\n') => {
+                            return Err(BodyError::Chunked("trailer line not ended by CRLF"))
+                        }
+                        (false, _) => Chunk::Trailers {
                             fresh: false,
                             cr: false,
                         },
@@ -298,8 +328,8 @@ mod tests {
             (body.as_slice(), ended, rest.as_slice()),
             (&b"hello "[..], true, &b"NEXT"[..])
         );
-        // Bare LF line ends are taken too.
-        let (body, ended, _) = read(BodyLen::Chunked, &[b"3\nabc\n0\n\n"]).unwrap();
+        let (body, ended, _) =
+            read(BodyLen::Chunked, &[b"3 ;a=\"b c\"\t\r\nabc\r\n0\r\n\r\n"]).unwrap();
         assert_eq!((body.as_slice(), ended), (&b"abc"[..], true));
         let (body, ended, _) = read(BodyLen::Chunked, &[b"A\r\n0123456789\r\n0\r\n\r\n"]).unwrap();
         assert_eq!((body.len(), ended), (10, true));
@@ -314,6 +344,17 @@ mod tests {
             b"5\rX",
             b"11111111111111111\r\n",
             b"0\r\n\rX",
+            // Bare LF anywhere in the framing: a front end that wants CRLF would find
+            // other message boundaries (request smuggling).
+            b"3\nabc\r\n0\r\n\r\n",
+            b"3\r\nabc\n0\r\n\r\n",
+            b"3\r\nabc\r\n0\r\n\n",
+            b"3;x\nabc\r\n",
+            b"0\r\nX-T: t\n\r\n",
+            // Anything but `;` after the size's whitespace, and control bytes in an
+            // extension.
+            b"d 0\r\n",
+            b"3;a\x00b\r\nabc\r\n",
         ] {
             assert!(
                 matches!(read(BodyLen::Chunked, &[bad]), Err(BodyError::Chunked(_))),

@@ -22,7 +22,7 @@ use crate::engine::Pick;
 use crate::http1::ResponseHead;
 use crate::policy::classify::TransportKind;
 use crate::policy::redact::Redactor;
-use crate::server::conn::ClientConn;
+use crate::server::conn::{BodySize, ClientConn};
 use bytes::{Bytes, BytesMut};
 use pingora::prelude::HttpPeer;
 use pingora::RetryType;
@@ -41,7 +41,7 @@ const CONN_FAILED: &str = "upstream connection failed";
 /// byte of an answer: on a pooled connection, a stale one.
 const STALE: &str = "upstream connection closed before answering";
 /// How soon after the write such a close must come to be taken for a stale connection.
-const STALE_WINDOW: Duration = Duration::from_millis(100);
+const STALE_WINDOW: Duration = Duration::from_secs(1);
 
 /// An upstream error response held back (≤ 64 KiB) while failover is still possible:
 /// its fields as a map (the rules and the classifier read them; errors are rare), every
@@ -306,8 +306,8 @@ async fn send(
         Wait::TimedOut => return Err(call.timed_out()),
         Wait::ClientGone => return Err(AttemptEnd::ClientGone),
     };
-    // Statuses past 599 are not HTTP an upstream may answer.
-    if head.status() > 599 {
+    // Statuses outside 100–599 are not HTTP an upstream may answer (1xx were skipped).
+    if !(100..=599).contains(&head.status()) {
         return Err(broken(
             TransportKind::Reset,
             Cause::Reset,
@@ -439,7 +439,13 @@ fn commit(conn: &mut ClientConn, ctx: &mut RequestCtx, mut c: Committed) -> Atte
     ctx.sluice_fields(|k, v| {
         h.field(k.as_bytes(), v);
     });
-    h.end(upstream::body_size(&c.head));
+    // An event stream is chunked to the client whatever the upstream framed it by: a
+    // stream cut after commit ends with an error event (SPEC §2), which a length could
+    // not hold.
+    h.end(match upstream::body_size(&c.head) {
+        BodySize::Exactly(_) if c.is_sse => BodySize::Unknown,
+        size => size,
+    });
     ctx.status = c.head.status();
     ctx.ttfb = Some(ctx.started.elapsed());
     AttemptEnd::Committed(Box::new(c))

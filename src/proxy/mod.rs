@@ -217,11 +217,12 @@ impl Gateway {
                 &ctx,
             );
             if stop.is_some() || !conn.reusable() {
-                if stop.is_none() {
-                    conn.close().await;
-                }
                 // The connection closes before the request stops counting as in flight.
-                drop(conn);
+                match stop {
+                    None => conn.close().await,
+                    Some(Stop::Cut) => conn.abort(),
+                    Some(Stop::Client(_)) => drop(conn),
+                }
                 drop(ctx);
                 return;
             }

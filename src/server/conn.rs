@@ -55,9 +55,19 @@ const COPY_BODY: usize = 16 * 1024;
 /// Room made in the read buffer before each read.
 const READ_ROOM: usize = 4 * 1024;
 
-/// A request body larger than this gets its bytes to itself: the read buffer is
-/// replaced, so a long stream after a large prompt does not keep the prompt's memory.
-const LARGE_BODY: usize = 64 * 1024;
+/// A request body is split off the read buffer without a copy, so the two share one
+/// allocation; when that is larger than this, the buffer is replaced by one of its own,
+/// so a long stream after a large prompt does not keep the prompt's memory.
+const SHARED_BUFFER: usize = 16 * 1024;
+
+/// The response buffer is let go when it grew past this (a large head or error body).
+const KEEP_OUT: usize = 8 * 1024;
+
+/// Closing with a request body still arriving: its bytes are read and dropped for at
+/// most this long and this many bytes after the response, so the close does not reset
+/// the connection (which may discard the response before the client read it).
+const LINGER: Duration = Duration::from_secs(2);
+const LINGER_BYTES: usize = 1024 * 1024;
 
 /// How a response body is delimited.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -121,13 +131,19 @@ pub struct ClientConn {
     /// The server was already stopping when the connection was accepted.
     stopped_at_start: bool,
     served: u64,
+    /// Bytes at the front of `buf` already searched for the end of a head.
+    scanned: usize,
     // The current request.
     body: BodyReader,
     continue_owed: bool,
     http11: bool,
+    /// A `HEAD` request: its response has fields but never a body.
+    head_only: bool,
     keep_alive: bool,
     response: Out,
     sent: u64,
+    /// Body bytes a `Content-Length` response still owes.
+    owed: u64,
 }
 
 impl ClientConn {
@@ -151,12 +167,15 @@ impl ClientConn {
             shutdown,
             draining,
             served: 0,
+            scanned: 0,
             body: BodyReader::new(BodyLen::Empty),
             continue_owed: false,
             http11: true,
+            head_only: false,
             keep_alive: false,
             response: Out::Done,
             sent: 0,
+            owed: 0,
         }
     }
 
@@ -172,13 +191,17 @@ impl ClientConn {
     /// connection); so do a close, a timeout, and a shutdown while idle.
     pub async fn next_request(&mut self) -> Incoming {
         let mut deadline = (self.served == 0).then(|| self.accepted + self.limits.header_timeout);
+        if self.out.capacity() > KEEP_OUT {
+            self.out = Vec::new();
+        }
         loop {
             if !self.buf.is_empty() {
                 let now = crate::clock::monotonic();
                 deadline.get_or_insert(now + self.limits.header_timeout);
-                match parse_request(&self.buf, MAX_HEADER_BYTES) {
+                match self.parse_head() {
                     Ok(Some((head, n))) => {
                         self.buf.advance(n);
+                        self.scanned = 0;
                         return self.begin(head).await;
                     }
                     Ok(None) if self.buf.len() < MAX_HEADER_BYTES => {}
@@ -207,17 +230,38 @@ impl ClientConn {
             };
             self.timer.as_mut().reset(until.into());
             reserve(&mut self.buf);
+            // No byte of a request yet: a shutdown ends the connection, and so does a
+            // drain before its first request (the drain would wait for it otherwise).
+            let silent = self.buf.is_empty();
+            let fresh = silent && self.served == 0;
             let read = tokio::select! {
                 biased;
                 r = self.io.read_buf(&mut self.buf) => r,
                 _ = &mut self.timer => return Incoming::End,
-                _ = stopped(&mut self.shutdown), if idle => return Incoming::End,
+                _ = stopped(&mut self.shutdown), if idle || silent => return Incoming::End,
+                _ = stopped(&mut self.draining), if fresh => return Incoming::End,
             };
             match read {
                 Ok(0) | Err(_) => return Incoming::End,
                 Ok(_) => {}
             }
         }
+    }
+
+    /// The head at the front of the buffer, once its end has arrived. Only bytes not
+    /// searched before are searched for the blank line, so a head sent a byte at a time
+    /// is not parsed again with each one; a short one is parsed at once, so a malformed
+    /// request line is refused without waiting for the end of its head.
+    fn parse_head(&mut self) -> Result<Option<(RequestHead, usize)>, crate::http1::HeadError> {
+        const EARLY: usize = 1024;
+        let from = self.scanned.saturating_sub(2);
+        let ended = memchr::memmem::find(&self.buf[from..], b"\n\r\n").is_some()
+            || memchr::memmem::find(&self.buf[from..], b"\n\n").is_some();
+        self.scanned = self.buf.len();
+        if !ended && self.buf.len() > EARLY && self.buf.len() < MAX_HEADER_BYTES {
+            return Ok(None);
+        }
+        parse_request(&self.buf, MAX_HEADER_BYTES)
     }
 
     /// A head was read: the request's state starts from it.
@@ -230,9 +274,11 @@ impl ClientConn {
         self.body = BodyReader::new(head.body());
         self.continue_owed = head.expects_continue() && !self.body.is_done();
         self.http11 = head.is_http11();
+        self.head_only = head.method() == "HEAD";
         self.keep_alive = head.keep_alive() && !self.stopping();
         self.response = Out::Nothing;
         self.sent = 0;
+        self.owed = 0;
         Incoming::Request(head)
     }
 
@@ -244,8 +290,11 @@ impl ClientConn {
 
     async fn refuse_in(&mut self, e: ClientError, family: Family) -> Incoming {
         let bytes = error_response(&e, family);
-        let _ = self.send(&bytes, &[], &[]).await;
-        self.close().await;
+        if self.send(&bytes, &[], &[]).await.is_ok() {
+            // Whatever the client sends after the refused head is not read.
+            let _ = self.io.shutdown().await;
+            self.linger().await;
+        }
         Incoming::End
     }
 
@@ -307,7 +356,7 @@ impl ClientConn {
             }
         }
         let body = first.unwrap_or_else(|| joined.freeze());
-        if body.len() > LARGE_BODY {
+        if body.len() + self.buf.capacity() > SHARED_BUFFER {
             // Whatever follows (a pipelined request) moves to a buffer of its own.
             self.buf = BytesMut::from(&self.buf[..]);
         }
@@ -384,6 +433,15 @@ impl ClientConn {
         } else {
             data
         };
+        if framing == Framing::Length {
+            if data.len() as u64 > self.owed {
+                self.keep_alive = false;
+                return Err(io::Error::other(
+                    "response body longer than its Content-Length",
+                ));
+            }
+            self.owed -= data.len() as u64;
+        }
         let mut tail: &[u8] = &[];
         if framing == Framing::Chunked {
             if !data.is_empty() {
@@ -398,7 +456,12 @@ impl ClientConn {
             };
         }
         if last {
-            self.response = Out::Done;
+            if framing == Framing::Length && self.owed > 0 {
+                // Ended short of its length: never complete, the connection is cut.
+                self.keep_alive = false;
+            } else {
+                self.response = Out::Done;
+            }
             if framing == Framing::Close {
                 self.keep_alive = false;
             }
@@ -414,28 +477,35 @@ impl ClientConn {
         };
         out.clear();
         self.out = out;
-        if self.out.capacity() > 4 * COPY_BODY {
+        if self.out.capacity() > 2 * COPY_BODY {
             self.out = Vec::new();
         }
         sent
     }
 
-    /// Sends `a`, `b` and `c` in order (vectored), within [`SEND_TIMEOUT`] (no timer
-    /// when the socket takes them at once).
+    /// Sends `a`, `b` and `c` in order (vectored writes); fails when the client takes
+    /// no byte for [`SEND_TIMEOUT`] (no timer while the socket takes them at once).
     async fn send(&mut self, a: &[u8], b: &[u8], c: &[u8]) -> io::Result<()> {
         let mut all = Buf::chain(Buf::chain(a, b), c);
-        let write = self.io.write_all_buf(&mut all);
-        tokio::pin!(write);
-        if let Some(r) = (&mut write).now_or_never() {
-            return r;
+        while all.has_remaining() {
+            // A write that is not ready at once has written nothing: it is made again
+            // under the timer.
+            let n = match self.io.write_buf(&mut all).now_or_never() {
+                Some(r) => r?,
+                None => tokio::time::timeout(SEND_TIMEOUT, self.io.write_buf(&mut all))
+                    .await
+                    .map_err(|_| {
+                        io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            "the client took no response bytes for 60 s",
+                        )
+                    })??,
+            };
+            if n == 0 {
+                return Err(io::ErrorKind::WriteZero.into());
+            }
         }
-        match tokio::time::timeout(SEND_TIMEOUT, write).await {
-            Ok(r) => r,
-            Err(_) => Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "the client took no response bytes for 60 s",
-            )),
-        }
+        Ok(())
     }
 
     /// After a request that was answered: whether the connection may carry the next one
@@ -456,13 +526,44 @@ impl ClientConn {
         true
     }
 
-    /// Closes the connection after sending what is still held.
-    pub async fn close(&mut self) {
+    /// Closes the connection after sending what is still held. A response that is not
+    /// complete is cut instead ([`ClientConn::abort`]); a request body still arriving is
+    /// read and dropped for a while first, so the close does not reset the response.
+    pub async fn close(mut self) {
+        if matches!(self.response, Out::Body(_)) {
+            return self.abort();
+        }
         if !self.out.is_empty() {
             let out = std::mem::take(&mut self.out);
-            let _ = self.send(&out, &[], &[]).await;
+            if self.send(&out, &[], &[]).await.is_err() {
+                return;
+            }
         }
         let _ = self.io.shutdown().await;
+        if !self.body.is_done() {
+            self.linger().await;
+        }
+    }
+
+    /// Cuts the connection with a reset: a response ended here is never mistaken for a
+    /// complete one, even one framed by the close (SPEC §2).
+    pub fn abort(self) {
+        let _ = socket2::SockRef::from(&self.io).set_linger(Some(Duration::ZERO));
+    }
+
+    /// Reads and drops what the client still sends, up to [`LINGER`] and
+    /// [`LINGER_BYTES`], or until it closes.
+    async fn linger(&mut self) {
+        let until = tokio::time::Instant::from_std(crate::clock::monotonic() + LINGER);
+        let mut dropped = 0;
+        while dropped < LINGER_BYTES {
+            self.buf.clear();
+            reserve(&mut self.buf);
+            match tokio::time::timeout_at(until, self.io.read_buf(&mut self.buf)).await {
+                Ok(Ok(n)) if n > 0 => dropped += n,
+                _ => return,
+            }
+        }
     }
 }
 
@@ -489,9 +590,16 @@ impl HeadOut<'_> {
         let framing = match size {
             BodySize::Exactly(n) => {
                 wire::field_number(&mut c.out, b"Content-Length", n);
-                Framing::Length
+                c.owed = n;
+                if c.head_only {
+                    Framing::Empty
+                } else {
+                    Framing::Length
+                }
             }
             BodySize::None => Framing::Empty,
+            // The length a GET would have is not known: no framing field.
+            BodySize::Unknown if c.head_only => Framing::Empty,
             BodySize::Unknown if c.http11 => {
                 c.out.extend_from_slice(b"Transfer-Encoding: chunked\r\n");
                 Framing::Chunked
@@ -669,6 +777,67 @@ mod tests {
             "HTTP/1.1 200 OK\r\n\r\nall",
             "an HTTP/1.0 answer closes by default: no keep-alive field"
         );
+    }
+
+    #[tokio::test]
+    async fn a_length_response_neither_overruns_nor_ends_short_as_complete() {
+        let (mut conn, mut client, _stop) = pair().await;
+        client.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+        request(&mut conn).await;
+        conn.head(200).end(BodySize::Exactly(5));
+        assert!(conn.write_body(b"abcdef", false).await.is_err());
+        assert!(!conn.reusable());
+
+        let (mut conn, mut client, _stop) = pair().await;
+        client.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+        request(&mut conn).await;
+        conn.head(200).end(BodySize::Exactly(5));
+        conn.write_body(b"abc", true).await.unwrap();
+        assert!(!conn.reusable(), "3 of 5 bytes is not a complete answer");
+        conn.close().await;
+        let mut got = Vec::new();
+        let end = tokio::time::timeout(Duration::from_secs(10), client.read_to_end(&mut got))
+            .await
+            .expect("never closed");
+        assert_eq!(
+            end.map_err(|e| e.kind()),
+            Err(io::ErrorKind::ConnectionReset),
+            "cut with a reset, after {:?}",
+            String::from_utf8_lossy(&got)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_head_sent_a_byte_at_a_time_is_read_and_a_bad_line_refused_at_once() {
+        let (mut conn, mut client, _stop) = pair().await;
+        let mut head = b"POST /v1/chat/completions HTTP/1.1\r\n".to_vec();
+        for i in 0..100 {
+            head.extend_from_slice(format!("X-Field-{i}: {}\r\n", "v".repeat(20)).as_bytes());
+        }
+        head.extend_from_slice(b"\r\n");
+        let writer = tokio::spawn(async move {
+            for b in head {
+                client.write_all(&[b]).await.unwrap();
+                tokio::task::yield_now().await;
+            }
+            client
+        });
+        let h = request(&mut conn).await;
+        assert_eq!(h.path(), "/v1/chat/completions");
+        assert_eq!(h.get("x-field-99"), Some("v".repeat(20).as_bytes()));
+        drop(writer.await.unwrap());
+
+        // A broken request line is answered without waiting for the end of its head.
+        let (mut conn, mut client, _stop) = pair().await;
+        client
+            .write_all(b"GARBAGE\x01 / HTTP/1.1\r\n")
+            .await
+            .unwrap();
+        let refused =
+            tokio::spawn(async move { matches!(conn.next_request().await, Incoming::End) });
+        let got = read_n(&mut client, 24).await;
+        assert_eq!(got, "HTTP/1.1 400 Bad Request");
+        assert!(refused.await.unwrap());
     }
 
     #[tokio::test]
