@@ -120,22 +120,35 @@ pub struct BaseUrl {
     pub port: u16,
     /// Path prefix without a trailing slash ("" for none); the client route is appended.
     pub path_prefix: String,
+    /// The `Host` value, made once (every request sends it).
+    authority: String,
 }
 
 impl BaseUrl {
-    /// `host` or `host:port` when the port is not the scheme's default (for `Host`).
-    pub fn authority(&self) -> String {
-        let default = if self.tls { 443 } else { 80 };
-        let host = if self.host.contains(':') {
-            format!("[{}]", self.host)
+    pub fn new(tls: bool, host: String, port: u16, path_prefix: String) -> BaseUrl {
+        let default = if tls { 443 } else { 80 };
+        let bracketed = if host.contains(':') {
+            format!("[{host}]")
         } else {
-            self.host.clone()
+            host.clone()
         };
-        if self.port == default {
-            host
+        let authority = if port == default {
+            bracketed
         } else {
-            format!("{host}:{}", self.port)
+            format!("{bracketed}:{port}")
+        };
+        BaseUrl {
+            tls,
+            host,
+            port,
+            path_prefix,
+            authority,
         }
+    }
+
+    /// `host` or `host:port` when the port is not the scheme's default (for `Host`).
+    pub fn authority(&self) -> &str {
+        &self.authority
     }
 }
 

@@ -10,9 +10,10 @@
 //! the list is checked without blocking first (closed by the upstream, or holding bytes
 //! nobody asked for: dropped), is younger than its idle timeout, and is reported as
 //! reused, so the attempt's stale-connection retry covers it; at most
-//! [`IDLE_PER_PEER`] idle connections per peer, the oldest dropped first. Expired ones
-//! are dropped whenever their peer's list is touched, and a sweeper task (started by the
-//! first release) closes expired and upstream-closed ones everywhere every 10 s.
+//! [`IDLE_PER_PEER`] idle connections per peer, the oldest dropped first. The oldest
+//! expired ones are dropped whenever their peer's list is touched, and a sweeper task
+//! (started by the first release) closes expired and upstream-closed ones everywhere
+//! every 10 s.
 
 use super::h1::H1;
 use super::upconn::UpConn;
@@ -53,13 +54,17 @@ struct IdleSet {
 }
 
 impl IdleSet {
-    /// Moves the expired connections of `key` to `out`, to be closed once the lock is
-    /// released.
+    /// Moves the expired connections at the front of `key`'s list (the oldest) to
+    /// `out`, to be closed once the lock is released. Only the oldest are looked at, so
+    /// a busy peer's long list is not walked per request; one that expired behind a
+    /// younger one (a shorter idle timeout) is dropped when taken or by the sweeper.
     fn expire(&mut self, key: u64, now: Instant, out: &mut Vec<Idle>) {
         if let Some(list) = self.by_peer.get_mut(&key) {
-            let before = out.len();
-            take_out(list, out, |i| i.expired(now));
-            self.total -= out.len() - before;
+            let n = list.iter().take_while(|i| i.expired(now)).count();
+            if n > 0 {
+                out.extend(list.drain(..n));
+                self.total -= n;
+            }
         }
     }
 
@@ -174,7 +179,7 @@ impl Upstreams {
                 set.total -= 1;
                 i
             };
-            if idle.conn.still_open() {
+            if !idle.expired(now) && idle.conn.still_open() {
                 break Some(idle.conn);
             }
             closed.push(idle);

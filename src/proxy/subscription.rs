@@ -318,7 +318,7 @@ impl OAuth<'_, '_, '_> {
                 prefix: "",
                 path,
                 query,
-                authority: &authority,
+                authority,
                 body_len: body.as_ref().map_or(0, Bytes::len),
             };
             let bearer = conn.key.as_ref().map(|k| format!("Bearer {}", k.expose()));

@@ -112,7 +112,6 @@ pub fn request_head(
     body_len: usize,
     slow: bool,
 ) -> Vec<u8> {
-    let authority = provider.base_url.authority();
     let mut replaced: Vec<&str> = Vec::new();
     let mut extra: Vec<(&[u8], &[u8])> = Vec::with_capacity(4);
     let credential;
@@ -151,7 +150,7 @@ pub fn request_head(
         prefix: &provider.base_url.path_prefix,
         path,
         query: client.query(),
-        authority: &authority,
+        authority: provider.base_url.authority(),
         body_len,
     };
     let mut out = Vec::with_capacity(client.wire_len() + 256);
@@ -199,12 +198,7 @@ mod tests {
     fn provider(api: Family) -> Provider {
         Provider {
             id: "p".into(),
-            base_url: BaseUrl {
-                tls: false,
-                host: "127.0.0.1".into(),
-                port: 9100,
-                path_prefix: "/api".into(),
-            },
+            base_url: BaseUrl::new(false, "127.0.0.1".into(), 9100, "/api".into()),
             api,
             class: ProviderClass::ApiKey,
             retry_delay: None,

@@ -990,10 +990,10 @@ pub fn parse_base_url(text: &str) -> Result<BaseUrl, String> {
     if host.is_empty() || host.contains('@') {
         return Err(format!("{text:?} has no valid host"));
     }
-    Ok(BaseUrl {
+    Ok(BaseUrl::new(
         tls,
         host,
         port,
-        path_prefix: path.trim_end_matches('/').to_string(),
-    })
+        path.trim_end_matches('/').to_string(),
+    ))
 }
