@@ -44,7 +44,7 @@ check:
 		promtool test rules deploy/prometheus/alerts_test.yaml; \
 	else echo "check: promtool not installed; alert rules checked by tests/deploy.rs only"; fi
 
-## Side-by-side benchmark: direct mock vs the bare Pingora floor vs Sluice (vs nginx when
+## Side-by-side benchmark: direct mock vs the bare floor (no layers) vs Sluice (vs nginx when
 ## installed), CPU µs per request for each gateway; then 1,000 and 8,000
 ## concurrent SSE streams (RSS per stream, added chunk gap), then the selection
 ## micro-benchmark (bench/RESULTS.md has the recorded runs).

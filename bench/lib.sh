@@ -60,7 +60,7 @@ YAML
   SLUICE=$(wait_listen "$WORK/$n.out" client)
 }
 
-# start_floor -> the bare Pingora pass-through (bench/floor.rs) on the mock; sets FLOOR
+# start_floor -> the bare pass-through (bench/floor.rs) on the mock; sets FLOOR
 # (client address) and FLOOR_PID. FLOOR_BIN overrides the binary.
 start_floor() {
   local bin=${FLOOR_BIN:-target/release/examples/floor}

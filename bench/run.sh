@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Side-by-side benchmark (SPEC §10): the same mock upstream called directly, through the
-# bare Pingora floor (bench/floor.rs: same connector, no layers, no logging), through
+# bare floor (bench/floor.rs: Sluice's I/O path and Pingora's connector, no layers, no logging), through
 # Sluice, and through nginx (when installed), non-streaming and streaming, at several
 # concurrencies, in one run on one machine. Prints requests/s, p50/p99 latency, gateway
 # CPU µs per request (utime+stime from /proc ÷ requests) and the ratios; writes the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where a proxied request's CPU goes, per process, for the bare Pingora floor, Sluice and
+# Where a proxied request's CPU goes, per process, for the bare floor (bench/floor.rs), Sluice and
 # nginx (when installed) on one mock, in one run: user and kernel µs per request and
 # voluntary / involuntary context switches per request, per thread that did any work
 # (from /proc/PID/task/*/{stat,status} before and after a wrk run). With strace

@@ -73,9 +73,9 @@ fn a_body_short_of_its_content_length_is_never_completed() {
     assert_eq!(up.calls(), 1);
 }
 
-#[test]
-fn a_chunked_body_without_its_last_chunk_is_never_completed() {
-    let up = RawUpstream::start(vec![
+/// A chunked JSON answer whose upstream dies before its last chunk.
+fn cut_json() -> RawUpstream {
+    RawUpstream::start(vec![
         Step::Write(head(
             200,
             &[
@@ -84,7 +84,12 @@ fn a_chunked_body_without_its_last_chunk_is_never_completed() {
             ],
         )),
         Step::Write(chunk(br#"{"id":"chatcmpl-1","choices":["#)),
-    ]);
+    ])
+}
+
+#[test]
+fn a_chunked_body_without_its_last_chunk_is_never_completed() {
+    let up = cut_json();
     let gw = gateway(&up, "");
     let mut s = open_stream(
         gw.client,
@@ -353,16 +358,7 @@ fn a_head_request_gets_fields_but_no_body() {
 fn a_cut_answer_to_an_http10_client_ends_in_a_reset_not_a_close() {
     // An HTTP/1.0 client has no chunks: its body ends with the connection, so only a
     // reset tells it the body was cut.
-    let up = RawUpstream::start(vec![
-        Step::Write(head(
-            200,
-            &[
-                "Content-Type: application/json",
-                "Transfer-Encoding: chunked",
-            ],
-        )),
-        Step::Write(chunk(br#"{"id":"chatcmpl-1","choices":["#)),
-    ]);
+    let up = cut_json();
     let gw = gateway(&up, "");
     let (got, end) = raw_exchange(
         &gw,

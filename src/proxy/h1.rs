@@ -221,6 +221,16 @@ mod tests {
         (H1::new(Box::new(c)), s)
     }
 
+    /// A connection on which a bodiless `POST /` was sent and read by the upstream.
+    async fn sent() -> (H1, tokio::net::TcpStream) {
+        let (mut up, mut server) = pair().await;
+        up.send(b"POST / HTTP/1.1\r\n\r\n".to_vec(), b"")
+            .await
+            .unwrap();
+        read_all_available(&mut server, 19).await;
+        (up, server)
+    }
+
     async fn read_all_available(s: &mut tokio::net::TcpStream, n: usize) -> Vec<u8> {
         let mut got = vec![0u8; n];
         tokio::time::timeout(std::time::Duration::from_secs(10), s.read_exact(&mut got))
@@ -260,20 +270,12 @@ mod tests {
 
     #[tokio::test]
     async fn a_close_before_any_answer_is_stale_and_a_cut_body_is_an_error() {
-        let (mut up, mut server) = pair().await;
-        up.send(b"POST / HTTP/1.1\r\n\r\n".to_vec(), b"")
-            .await
-            .unwrap();
-        read_all_available(&mut server, 19).await;
+        let (mut up, server) = sent().await;
         drop(server);
         let e = up.read_head(1024).await.unwrap_err();
         assert!(matches!(e.retry, RetryType::ReusedOnly), "{e}");
 
-        let (mut up, mut server) = pair().await;
-        up.send(b"POST / HTTP/1.1\r\n\r\n".to_vec(), b"")
-            .await
-            .unwrap();
-        read_all_available(&mut server, 19).await;
+        let (mut up, mut server) = sent().await;
         server
             .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
             .await
@@ -289,11 +291,7 @@ mod tests {
 
     #[tokio::test]
     async fn oversized_heads_close_delimited_bodies_and_extra_bytes_are_not_pooled() {
-        let (mut up, mut server) = pair().await;
-        up.send(b"POST / HTTP/1.1\r\n\r\n".to_vec(), b"")
-            .await
-            .unwrap();
-        read_all_available(&mut server, 19).await;
+        let (mut up, mut server) = sent().await;
         server
             .write_all(format!("HTTP/1.1 200 OK\r\nX: {}\r\n\r\n", "x".repeat(2000)).as_bytes())
             .await
@@ -301,11 +299,7 @@ mod tests {
         let e = up.read_head(1024).await.unwrap_err();
         assert!(e.to_string().contains("too large"), "{e}");
 
-        let (mut up, mut server) = pair().await;
-        up.send(b"POST / HTTP/1.1\r\n\r\n".to_vec(), b"")
-            .await
-            .unwrap();
-        read_all_available(&mut server, 19).await;
+        let (mut up, mut server) = sent().await;
         server
             .write_all(b"HTTP/1.1 200 OK\r\n\r\nall of it")
             .await
@@ -319,11 +313,7 @@ mod tests {
         assert_eq!(body, b"all of it");
         assert!(up.into_idle().is_none(), "read to the close: not reusable");
 
-        let (mut up, mut server) = pair().await;
-        up.send(b"POST / HTTP/1.1\r\n\r\n".to_vec(), b"")
-            .await
-            .unwrap();
-        read_all_available(&mut server, 19).await;
+        let (mut up, mut server) = sent().await;
         server
             .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA")
             .await

@@ -13,6 +13,8 @@
 //!   connection;
 //! - an idle kept-alive connection closes after `keepalive_timeout`, and at once when
 //!   the server shuts down; a request whose head is arriving is not cut by the shutdown;
+//!   one that has sent nothing of its first request gets [`DRAIN_GRACE`] once a drain
+//!   begins;
 //! - a request body never pauses longer than `client_body_timeout` between reads, and a
 //!   body declared larger than the caller's limit is refused before it is read;
 //! - a response is framed by its length, by chunks (HTTP/1.1) or by the close
@@ -51,6 +53,10 @@ pub const SEND_TIMEOUT: Duration = Duration::from_secs(60);
 /// Body bytes copied behind a response head (or a chunk's size line) so both leave in one
 /// send; a larger piece follows in the same vectored write.
 const COPY_BODY: usize = 16 * 1024;
+
+/// How long a connection that has sent nothing yet may still bring its first request
+/// once a drain begins.
+const DRAIN_GRACE: Duration = Duration::from_secs(1);
 
 /// Room made in the read buffer before each read.
 const READ_ROOM: usize = 4 * 1024;
@@ -191,6 +197,7 @@ impl ClientConn {
     /// connection); so do a close, a timeout, and a shutdown while idle.
     pub async fn next_request(&mut self) -> Incoming {
         let mut deadline = (self.served == 0).then(|| self.accepted + self.limits.header_timeout);
+        let mut drain_seen = false;
         if self.out.capacity() > KEEP_OUT {
             self.out = Vec::new();
         }
@@ -230,16 +237,24 @@ impl ClientConn {
             };
             self.timer.as_mut().reset(until.into());
             reserve(&mut self.buf);
-            // No byte of a request yet: a shutdown ends the connection, and so does a
-            // drain before its first request (the drain would wait for it otherwise).
+            // No byte of a request yet: a shutdown ends the connection. A drain gives one
+            // that has not brought its first request [`DRAIN_GRACE`] more (a client that
+            // connected as the drain began is about to send; the drain would otherwise
+            // wait out the header timeout for one that never does).
             let silent = self.buf.is_empty();
-            let fresh = silent && self.served == 0;
+            let graced = silent && self.served == 0 && !drain_seen;
             let read = tokio::select! {
                 biased;
-                r = self.io.read_buf(&mut self.buf) => r,
+                r = self.io.read_buf(&mut self.buf) => Some(r),
                 _ = &mut self.timer => return Incoming::End,
                 _ = stopped(&mut self.shutdown), if idle || silent => return Incoming::End,
-                _ = stopped(&mut self.draining), if fresh => return Incoming::End,
+                _ = stopped(&mut self.draining), if graced => None,
+            };
+            let Some(read) = read else {
+                drain_seen = true;
+                let cut = crate::clock::monotonic() + DRAIN_GRACE;
+                deadline = Some(deadline.map_or(cut, |d| d.min(cut)));
+                continue;
             };
             match read {
                 Ok(0) | Err(_) => return Incoming::End,
