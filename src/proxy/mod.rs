@@ -218,10 +218,11 @@ impl Gateway {
             );
             if stop.is_some() || !conn.reusable() {
                 // The connection closes before the request stops counting as in flight.
+                // A cut, or a client that failed while it was answered: an answer not
+                // written whole is never closed as if it were complete.
                 match stop {
-                    None => conn.close().await,
-                    Some(Stop::Cut) => conn.abort(),
-                    Some(Stop::Client(_)) => drop(conn),
+                    None | Some(Stop::Client(_)) => conn.close().await,
+                    Some(Stop::Cut) => conn.abort().await,
                 }
                 drop(ctx);
                 return;

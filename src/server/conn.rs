@@ -134,8 +134,10 @@ pub struct ClientConn {
     timer: Pin<Box<Sleep>>,
     shutdown: ShutdownWatch,
     draining: watch::Receiver<bool>,
-    /// The server was already stopping when the connection was accepted.
-    stopped_at_start: bool,
+    /// The server is stopping and the connection knows it: stopping when it was
+    /// accepted, or a drain seen while waiting (a watch marks a value it waited for as
+    /// seen, so `has_changed` no longer shows it).
+    stop_seen: bool,
     served: u64,
     /// Bytes at the front of `buf` already searched for the end of a head.
     scanned: usize,
@@ -169,7 +171,7 @@ impl ClientConn {
             )),
             limits,
             accepted,
-            stopped_at_start: *shutdown.borrow() || *draining.borrow(),
+            stop_seen: *shutdown.borrow() || *draining.borrow(),
             shutdown,
             draining,
             served: 0,
@@ -190,7 +192,7 @@ impl ClientConn {
     /// it, so an unchanged version says "not stopping" without taking the watch's lock.
     fn stopping(&self) -> bool {
         let set = |w: &watch::Receiver<bool>| !matches!(w.has_changed(), Ok(false)) && *w.borrow();
-        self.stopped_at_start || set(&self.shutdown) || set(&self.draining)
+        self.stop_seen || set(&self.shutdown) || set(&self.draining)
     }
 
     /// Reads the next request's head. Refused heads are answered here (and end the
@@ -198,6 +200,8 @@ impl ClientConn {
     pub async fn next_request(&mut self) -> Incoming {
         let mut deadline = (self.served == 0).then(|| self.accepted + self.limits.header_timeout);
         let mut drain_seen = false;
+        // Set by a drain while nothing has arrived: the end of the grace.
+        let mut grace_until: Option<Instant> = None;
         if self.out.capacity() > KEEP_OUT {
             self.out = Vec::new();
         }
@@ -228,6 +232,8 @@ impl ClientConn {
             }
             let idle = deadline.is_none();
             let until = match deadline {
+                // Once a byte arrived, the head has its whole header timeout.
+                Some(d) if self.buf.is_empty() => grace_until.map_or(d, |g| g.min(d)),
                 Some(d) => d,
                 // Kept alive when the last response was written (not while stopping).
                 None if self.keep_alive => {
@@ -252,8 +258,8 @@ impl ClientConn {
             };
             let Some(read) = read else {
                 drain_seen = true;
-                let cut = crate::clock::monotonic() + DRAIN_GRACE;
-                deadline = Some(deadline.map_or(cut, |d| d.min(cut)));
+                self.stop_seen = true;
+                grace_until = Some(crate::clock::monotonic() + DRAIN_GRACE);
                 continue;
             };
             match read {
@@ -527,10 +533,12 @@ impl ClientConn {
     /// (a complete response, the request's body read whole or already here, keep-alive
     /// on both sides).
     pub fn reusable(&mut self) -> bool {
-        if self.response != Out::Done || !self.keep_alive {
-            return false;
-        }
-        // A body the answer did not need (a refusal) is skipped if it is all here.
+        self.skip_buffered_body() && self.response == Out::Done && self.keep_alive
+    }
+
+    /// Skips a body the answer did not need (a refusal) as far as it is here: whether
+    /// the whole body has now been read.
+    fn skip_buffered_body(&mut self) -> bool {
         while !self.body.is_done() {
             match self.body.next(&mut self.buf) {
                 Ok(Piece::Data(_)) => {}
@@ -546,7 +554,7 @@ impl ClientConn {
     /// read and dropped for a while first, so the close does not reset the response.
     pub async fn close(mut self) {
         if matches!(self.response, Out::Body(_)) {
-            return self.abort();
+            return self.abort().await;
         }
         if !self.out.is_empty() {
             let out = std::mem::take(&mut self.out);
@@ -555,15 +563,22 @@ impl ClientConn {
             }
         }
         let _ = self.io.shutdown().await;
-        if !self.body.is_done() {
+        if !self.skip_buffered_body() {
             self.linger().await;
         }
     }
 
-    /// Cuts the connection with a reset: a response ended here is never mistaken for a
-    /// complete one, even one framed by the close (SPEC §2).
-    pub fn abort(self) {
-        let _ = socket2::SockRef::from(&self.io).set_linger(Some(Duration::ZERO));
+    /// Cuts the connection so that a response ended here is never taken for a complete
+    /// one (SPEC §2). One framed by the close ends with a reset, since a close would
+    /// frame it as complete; a chunked or length-framed one ends with a plain close
+    /// (its missing last chunk or bytes say it was cut), so the bytes already written
+    /// still arrive.
+    pub async fn abort(mut self) {
+        if self.response == Out::Body(Framing::Close) {
+            let _ = socket2::SockRef::from(&self.io).set_linger(Some(Duration::ZERO));
+            return;
+        }
+        let _ = self.io.shutdown().await;
     }
 
     /// Reads and drops what the client still sends, up to [`LINGER`] and
@@ -810,16 +825,90 @@ mod tests {
         conn.write_body(b"abc", true).await.unwrap();
         assert!(!conn.reusable(), "3 of 5 bytes is not a complete answer");
         conn.close().await;
-        let mut got = Vec::new();
-        let end = tokio::time::timeout(Duration::from_secs(10), client.read_to_end(&mut got))
-            .await
-            .expect("never closed");
+        // Closed short of its length (what was written still arrives): the client can
+        // tell. A body framed by the close is reset instead (tests/framing.rs).
         assert_eq!(
-            end.map_err(|e| e.kind()),
-            Err(io::ErrorKind::ConnectionReset),
-            "cut with a reset, after {:?}",
-            String::from_utf8_lossy(&got)
+            read_until_close(&mut client).await,
+            "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nabc"
         );
+    }
+
+    #[tokio::test]
+    async fn a_head_answer_has_its_fields_and_no_body_and_keeps_the_connection() {
+        let (mut conn, mut client, _stop) = pair().await;
+        client
+            .write_all(b"HEAD / HTTP/1.1\r\n\r\nGET /next HTTP/1.1\r\n\r\n")
+            .await
+            .unwrap();
+        request(&mut conn).await;
+        conn.head(200).end(BodySize::Exactly(5));
+        conn.write_body(b"hello", true).await.unwrap();
+        let want = "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n";
+        assert_eq!(read_n(&mut client, want.len()).await, want);
+        assert!(conn.reusable());
+        assert_eq!(request(&mut conn).await.path(), "/next");
+        conn.head(204).end(BodySize::None);
+        conn.write_body(b"", true).await.unwrap();
+        let want = "HTTP/1.1 204 No Content\r\n\r\n";
+        assert_eq!(
+            read_n(&mut client, want.len()).await,
+            want,
+            "no body bytes came before"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_first_request_sent_in_the_drain_grace_is_answered_with_a_close() {
+        let (client, server) = loopback().await;
+        let (_stop, shutdown) = watch::channel(false);
+        let (drain, draining) = watch::channel(false);
+        let mut conn = ClientConn::new(
+            server,
+            ClientLimits {
+                header_timeout: Duration::from_secs(30),
+                ..limits()
+            },
+            crate::clock::monotonic(),
+            shutdown,
+            draining,
+        );
+        let mut client = client;
+        let answered = tokio::spawn(async move {
+            let h = request(&mut conn).await;
+            conn.head(200).end(BodySize::Exactly(2));
+            conn.write_body(b"ok", true).await.unwrap();
+            (h.path().to_string(), conn.reusable())
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        drain.send(true).unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // The head starts inside the grace and ends after it: still read whole.
+        client.write_all(b"GET /late HTTP/1.1\r\n").await.unwrap();
+        tokio::time::sleep(DRAIN_GRACE).await;
+        client.write_all(b"\r\n").await.unwrap();
+        let (path, reusable) = answered.await.unwrap();
+        assert_eq!(path, "/late");
+        assert!(!reusable, "no keep-alive while draining");
+        let got = read_until_close(&mut client).await;
+        assert!(got.contains("Connection: close\r\n"), "{got}");
+
+        // One that sends nothing ends after the grace, long before its header timeout.
+        let (_client, server) = loopback().await;
+        let (_stop, shutdown) = watch::channel(false);
+        let (drain, draining) = watch::channel(false);
+        let mut conn = ClientConn::new(
+            server,
+            ClientLimits {
+                header_timeout: Duration::from_secs(30),
+                ..limits()
+            },
+            crate::clock::monotonic(),
+            shutdown,
+            draining,
+        );
+        drain.send(true).unwrap();
+        let ended = tokio::time::timeout(DRAIN_GRACE * 5, conn.next_request()).await;
+        assert!(matches!(ended, Ok(Incoming::End)));
     }
 
     #[tokio::test]
