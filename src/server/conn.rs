@@ -724,6 +724,31 @@ mod tests {
         (conn, client, stop)
     }
 
+    /// A fresh connection with a 30 s header timeout: (ours, the client's, the
+    /// shutdown switch, the drain switch).
+    async fn drainable() -> (
+        ClientConn,
+        TcpStream,
+        watch::Sender<bool>,
+        watch::Sender<bool>,
+    ) {
+        let (client, server) = loopback().await;
+        let (stop, shutdown) = watch::channel(false);
+        let (drain, draining) = watch::channel(false);
+        let limits = ClientLimits {
+            header_timeout: Duration::from_secs(30),
+            ..limits()
+        };
+        let conn = ClientConn::new(
+            server,
+            limits,
+            crate::clock::monotonic(),
+            shutdown,
+            draining,
+        );
+        (conn, client, stop, drain)
+    }
+
     async fn request(conn: &mut ClientConn) -> RequestHead {
         match conn.next_request().await {
             Incoming::Request(h) => h,
@@ -859,20 +884,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_first_request_sent_in_the_drain_grace_is_answered_with_a_close() {
-        let (client, server) = loopback().await;
-        let (_stop, shutdown) = watch::channel(false);
-        let (drain, draining) = watch::channel(false);
-        let mut conn = ClientConn::new(
-            server,
-            ClientLimits {
-                header_timeout: Duration::from_secs(30),
-                ..limits()
-            },
-            crate::clock::monotonic(),
-            shutdown,
-            draining,
-        );
-        let mut client = client;
+        let (mut conn, mut client, _stop, drain) = drainable().await;
         let answered = tokio::spawn(async move {
             let h = request(&mut conn).await;
             conn.head(200).end(BodySize::Exactly(2));
@@ -893,19 +905,7 @@ mod tests {
         assert!(got.contains("Connection: close\r\n"), "{got}");
 
         // One that sends nothing ends after the grace, long before its header timeout.
-        let (_client, server) = loopback().await;
-        let (_stop, shutdown) = watch::channel(false);
-        let (drain, draining) = watch::channel(false);
-        let mut conn = ClientConn::new(
-            server,
-            ClientLimits {
-                header_timeout: Duration::from_secs(30),
-                ..limits()
-            },
-            crate::clock::monotonic(),
-            shutdown,
-            draining,
-        );
+        let (mut conn, _client, _stop, drain) = drainable().await;
         drain.send(true).unwrap();
         let ended = tokio::time::timeout(DRAIN_GRACE * 5, conn.next_request()).await;
         assert!(matches!(ended, Ok(Incoming::End)));
