@@ -177,17 +177,22 @@ impl<A: ConnApp> Service for FrontDoor<A> {
         let slots = Arc::new(Semaphore::new(self.limits.max_connections));
         loop {
             let permit = tokio::select! {
+                biased;
+                _ = shutting_down(&mut shutdown) => break,
+                _ = until_set(&mut drain) => break,
                 p = slots.clone().acquire_owned() => match p {
                     Ok(p) => p,
                     Err(_) => break,
                 },
-                _ = shutting_down(&mut shutdown) => break,
-                _ = until_set(&mut drain) => break,
             };
+            // A drain or shutdown wins over a connection that is ready at the same time
+            // (an unbiased pick accepted one after `/ready` turned 503 half the time):
+            // one still queued then belongs to the listener's other holder, a successor.
             let accepted = tokio::select! {
-                a = listener.accept() => a,
+                biased;
                 _ = shutting_down(&mut shutdown) => break,
                 _ = until_set(&mut drain) => break,
+                a = listener.accept() => a,
             };
             let (stream, _peer) = match accepted {
                 Ok(s) => s,
