@@ -199,7 +199,6 @@ impl ClientConn {
     /// connection); so do a close, a timeout, and a shutdown while idle.
     pub async fn next_request(&mut self) -> Incoming {
         let mut deadline = (self.served == 0).then(|| self.accepted + self.limits.header_timeout);
-        let mut drain_seen = false;
         // Set by a drain while nothing has arrived: the end of the grace.
         let mut grace_until: Option<Instant> = None;
         if self.out.capacity() > KEEP_OUT {
@@ -230,7 +229,6 @@ impl ClientConn {
                     }
                 }
             }
-            let idle = deadline.is_none();
             let until = match deadline {
                 // Once a byte arrived, the head has its whole header timeout.
                 Some(d) if self.buf.is_empty() => grace_until.map_or(d, |g| g.min(d)),
@@ -248,16 +246,15 @@ impl ClientConn {
             // connected as the drain began is about to send; the drain would otherwise
             // wait out the header timeout for one that never does).
             let silent = self.buf.is_empty();
-            let graced = silent && self.served == 0 && !drain_seen;
+            let graced = silent && self.served == 0 && grace_until.is_none();
             let read = tokio::select! {
                 biased;
                 r = self.io.read_buf(&mut self.buf) => Some(r),
                 _ = &mut self.timer => return Incoming::End,
-                _ = stopped(&mut self.shutdown), if idle || silent => return Incoming::End,
+                _ = stopped(&mut self.shutdown), if silent => return Incoming::End,
                 _ = stopped(&mut self.draining), if graced => None,
             };
             let Some(read) = read else {
-                drain_seen = true;
                 self.stop_seen = true;
                 grace_until = Some(crate::clock::monotonic() + DRAIN_GRACE);
                 continue;
@@ -749,6 +746,14 @@ mod tests {
         (conn, client, stop, drain)
     }
 
+    /// A fresh connection whose client sent `wire`, and the first request of it read.
+    async fn asked(wire: &[u8]) -> (ClientConn, TcpStream, watch::Sender<bool>) {
+        let (mut conn, mut client, stop) = pair().await;
+        client.write_all(wire).await.unwrap();
+        request(&mut conn).await;
+        (conn, client, stop)
+    }
+
     async fn request(conn: &mut ClientConn) -> RequestHead {
         match conn.next_request().await {
             Incoming::Request(h) => h,
@@ -806,9 +811,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_unknown_length_is_chunked_for_http_1_1_and_to_the_close_for_http_1_0() {
-        let (mut conn, mut client, _stop) = pair().await;
-        client.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
-        request(&mut conn).await;
+        let (mut conn, mut client, _stop) = asked(b"GET / HTTP/1.1\r\n\r\n").await;
         conn.head(200).end(BodySize::Unknown);
         conn.write_body(b"data: a\n\n", false).await.unwrap();
         conn.write_body(b"data: b\n\n", true).await.unwrap();
@@ -817,12 +820,8 @@ mod tests {
         assert_eq!(read_n(&mut client, want.len()).await, want);
         assert!(conn.reusable());
 
-        let (mut conn, mut client, _stop) = pair().await;
-        client
-            .write_all(b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
-            .await
-            .unwrap();
-        request(&mut conn).await;
+        let (mut conn, mut client, _stop) =
+            asked(b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n").await;
         conn.head(200).end(BodySize::Unknown);
         conn.write_body(b"all", true).await.unwrap();
         assert!(!conn.reusable(), "a body ended by the close");
@@ -836,16 +835,12 @@ mod tests {
 
     #[tokio::test]
     async fn a_length_response_neither_overruns_nor_ends_short_as_complete() {
-        let (mut conn, mut client, _stop) = pair().await;
-        client.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
-        request(&mut conn).await;
+        let (mut conn, _client, _stop) = asked(b"GET / HTTP/1.1\r\n\r\n").await;
         conn.head(200).end(BodySize::Exactly(5));
         assert!(conn.write_body(b"abcdef", false).await.is_err());
         assert!(!conn.reusable());
 
-        let (mut conn, mut client, _stop) = pair().await;
-        client.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
-        request(&mut conn).await;
+        let (mut conn, mut client, _stop) = asked(b"GET / HTTP/1.1\r\n\r\n").await;
         conn.head(200).end(BodySize::Exactly(5));
         conn.write_body(b"abc", true).await.unwrap();
         assert!(!conn.reusable(), "3 of 5 bytes is not a complete answer");
@@ -860,12 +855,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_head_answer_has_its_fields_and_no_body_and_keeps_the_connection() {
-        let (mut conn, mut client, _stop) = pair().await;
-        client
-            .write_all(b"HEAD / HTTP/1.1\r\n\r\nGET /next HTTP/1.1\r\n\r\n")
-            .await
-            .unwrap();
-        request(&mut conn).await;
+        let (mut conn, mut client, _stop) =
+            asked(b"HEAD / HTTP/1.1\r\n\r\nGET /next HTTP/1.1\r\n\r\n").await;
         conn.head(200).end(BodySize::Exactly(5));
         conn.write_body(b"hello", true).await.unwrap();
         let want = "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n";
@@ -946,12 +937,8 @@ mod tests {
 
     #[tokio::test]
     async fn expect_continue_is_answered_before_the_body_is_read() {
-        let (mut conn, mut client, _stop) = pair().await;
-        client
-            .write_all(b"POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 4\r\n\r\n")
-            .await
-            .unwrap();
-        request(&mut conn).await;
+        let (mut conn, mut client, _stop) =
+            asked(b"POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 4\r\n\r\n").await;
         let reader = tokio::spawn(async move {
             let body = conn.read_body(100).await.unwrap();
             (conn, body)
@@ -965,31 +952,19 @@ mod tests {
 
     #[tokio::test]
     async fn bodies_too_large_late_or_broken_are_refused_and_end_keep_alive() {
-        let (mut conn, mut client, _stop) = pair().await;
-        client
-            .write_all(b"POST / HTTP/1.1\r\nContent-Length: 1000\r\n\r\n")
-            .await
-            .unwrap();
-        request(&mut conn).await;
+        let (mut conn, _client, _stop) =
+            asked(b"POST / HTTP/1.1\r\nContent-Length: 1000\r\n\r\n").await;
         assert!(matches!(conn.read_body(999).await, Err(BodyFail::TooLarge)));
         conn.head(413).end(BodySize::Exactly(0));
         conn.write_body(b"", true).await.unwrap();
         assert!(!conn.reusable());
 
-        let (mut conn, mut client, _stop) = pair().await;
-        client
-            .write_all(b"POST / HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc")
-            .await
-            .unwrap();
-        request(&mut conn).await;
+        let (mut conn, _client, _stop) =
+            asked(b"POST / HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc").await;
         assert!(matches!(conn.read_body(100).await, Err(BodyFail::Timeout)));
 
-        let (mut conn, mut client, _stop) = pair().await;
-        client
-            .write_all(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
-            .await
-            .unwrap();
-        request(&mut conn).await;
+        let (mut conn, _client, _stop) =
+            asked(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n").await;
         assert!(matches!(
             conn.read_body(100).await,
             Err(BodyFail::Broken(_))
@@ -1053,9 +1028,7 @@ mod tests {
 
     #[tokio::test]
     async fn bytes_sent_while_watching_are_kept_and_a_close_is_seen() {
-        let (mut conn, mut client, _stop) = pair().await;
-        client.write_all(b"GET /a HTTP/1.1\r\n\r\n").await.unwrap();
-        request(&mut conn).await;
+        let (mut conn, mut client, _stop) = asked(b"GET /a HTTP/1.1\r\n\r\n").await;
         client.write_all(b"GET /b HTTP/1.1\r\n\r\n").await.unwrap();
         assert!(!conn.closed_or_data().await, "data is not a close");
         conn.head(200).end(BodySize::Exactly(0));
