@@ -37,6 +37,7 @@ use crate::routing::{LatencyWindow, RateLimitInfo};
 use crate::rules::RuleSet;
 use crate::store::StoreWriter;
 use arc_swap::ArcSwap;
+use foldhash::HashMap;
 use permits::{Limits, PermitGuard, Permits};
 use pingora::connectors::ConnectorOptions;
 use select::{breaker_config, Exclusion};
@@ -44,7 +45,6 @@ use select::{Asker, Candidate};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use state::{lock, Shared, Tables};
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -483,7 +483,7 @@ impl Engine {
             permits: Permits::default(),
             leases: Mutex::new(LeaseTable::default()),
             pins: Mutex::new(PinTable::default()),
-            signals: Mutex::new(HashMap::new()),
+            signals: Mutex::new(Default::default()),
             lifecycle: crate::server::lifecycle::Lifecycle::new(),
             shared_state: std::sync::OnceLock::new(),
             cluster: std::sync::OnceLock::new(),
@@ -515,7 +515,19 @@ impl Engine {
         asker: &Asker<'_>,
         pin: Option<&str>,
     ) -> Selection {
-        let now = self.now();
+        self.select_at(snap, model, family, asker, pin, self.now())
+    }
+
+    /// [`Engine::select`] at `now`, for a caller that has just read the clock.
+    pub fn select_at(
+        &self,
+        snap: &Snapshot,
+        model: usize,
+        family: Family,
+        asker: &Asker<'_>,
+        pin: Option<&str>,
+        now: Millis,
+    ) -> Selection {
         // The short way first: on a healthy model it checks only what the strategy looks
         // at. Anything it cannot settle (nothing usable, a lost race for the permit or
         // the probe) goes the full way, which also lists every exclusion.

@@ -7,12 +7,12 @@
 //! come back in `Recorded::urgent` so the caller commits them before answering.
 
 use super::select::breaker_config;
-use super::state::{change, conn_key, lock, ConnEntry};
+use super::state::{change, conn_key, lock};
 use super::{Engine, Pick, Snapshot};
 use crate::config::{Config, Connection, Provider};
 use crate::policy::breaker::Transition;
 use crate::policy::classify::counts_for_breaker;
-use crate::policy::cooldown::{base_for, CooldownConfig, Effect, Failure};
+use crate::policy::cooldown::{base_for, ConnState, CooldownConfig, Effect, Failure};
 use crate::policy::lockout::{lock_key_with_scope, LockoutConfig};
 use crate::policy::{Classification, Millis, Reason, Scope};
 use crate::store::{Change, Table};
@@ -91,7 +91,11 @@ impl Engine {
 
     /// Records one attempt's outcome in every layer it concerns.
     pub fn record(&self, a: &AttemptInfo<'_>, outcome: Outcome<'_>) -> Recorded {
-        let now = self.now();
+        self.record_at(a, outcome, self.now())
+    }
+
+    /// [`Engine::record`] at `now`, for a caller that has just read the clock.
+    pub fn record_at(&self, a: &AttemptInfo<'_>, outcome: Outcome<'_>, now: Millis) -> Recorded {
         let mut rec = Recorded::default();
         let mut changes = Vec::new();
         self.record_provider(a, &outcome, now, &mut changes);
@@ -191,7 +195,9 @@ impl Engine {
             .snap
             .conn_entry(&self.tables, a.pick.provider, a.pick.connection);
         let mut e = lock(entry);
-        let before: ConnEntry = e.clone();
+        // Only the state and the credential change here (the lane's memory does not):
+        // the credential is compared, not copied.
+        let before: ConnState = e.state.clone();
         let mut bucket_until: Option<(Millis, Reason)> = None;
         let effect: Option<Effect> = match outcome {
             Outcome::Success => {
@@ -251,7 +257,8 @@ impl Engine {
             )),
             Outcome::Transport { .. } | Outcome::Abandoned => None,
         };
-        if e.credential.as_deref() != used {
+        let new_credential = e.credential.as_deref() != used;
+        if new_credential {
             e.credential = used.map(str::to_string);
         }
         if let Some(eff) = &effect {
@@ -262,7 +269,7 @@ impl Engine {
                 rec.urgent.push(change(Table::Connections, &key, Some(&*e)));
             }
         }
-        if *e != before && rec.urgent.is_empty() {
+        if (new_credential || e.state != before) && rec.urgent.is_empty() {
             changes.push(change(Table::Connections, &key(), Some(&*e)));
         }
         drop(e);

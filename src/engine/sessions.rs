@@ -24,7 +24,7 @@ use crate::policy::lease::{effective_ttl, owner_hash, owner_token, Lease, LeaseE
 use crate::policy::Millis;
 use crate::routing::parse_rate_limit;
 use crate::store::{Change, CommitWait, Image, StoreError, Table};
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -400,15 +400,15 @@ impl Engine {
         &self,
         conn_key: &str,
         headers: &(impl crate::policy::fields::Fields + ?Sized),
+        now: Millis,
     ) {
-        if let Some(info) = parse_rate_limit(headers, self.now()) {
+        if let Some(info) = parse_rate_limit(headers, now) {
             with_signals(&mut lock(&self.signals), conn_key, |s| s.rate = Some(info));
         }
     }
 
     /// Records a time-to-first-byte sample of a connection (`provider/connection`).
-    pub fn note_ttfb(&self, conn_key: &str, ttfb: Duration) {
-        let now = self.now();
+    pub fn note_ttfb(&self, conn_key: &str, ttfb: Duration, now: Millis) {
         with_signals(&mut lock(&self.signals), conn_key, |s| {
             s.latency.record(ttfb.as_secs_f64() * 1000.0, now)
         });

@@ -62,9 +62,10 @@ impl Engine {
         let (label, ended, verdict) = match outcome {
             AttemptOutcome::Committed { headers, latency } => {
                 let key = a.snap.conn_key(pick.provider, pick.connection);
-                self.note_rate_limit(key, headers);
-                self.note_ttfb(key, latency);
-                self.record(a, Outcome::Success);
+                let now = self.now();
+                self.note_rate_limit(key, headers, now);
+                self.note_ttfb(key, latency, now);
+                self.record_at(a, Outcome::Success, now);
                 if let Some(key) = a.pin {
                     let target = &a.snap.config.models[a.model].targets[a.pick.target].model;
                     self.touch_pin(
@@ -83,7 +84,8 @@ impl Engine {
             } => {
                 let scoped = a.scoped(status);
                 if !scoped {
-                    self.note_rate_limit(a.snap.conn_key(pick.provider, pick.connection), headers);
+                    let key = a.snap.conn_key(pick.provider, pick.connection);
+                    self.note_rate_limit(key, headers, self.now());
                 }
                 let mut v = self.judge_http(a, status, headers, body);
                 v.class.retryable &= !a.scoped(v.status);

@@ -207,15 +207,24 @@ fn clip(path: &str) -> &str {
 /// A bare value when every byte is plain printable ASCII other than space, `"` and
 /// `=`; otherwise a quoted JSON string. An empty value is `""`.
 fn text_value(v: &str, out: &mut Vec<u8>) {
-    let plain = !v.is_empty()
-        && v.bytes()
-            .all(|b| b.is_ascii_graphic() && b != b'"' && b != b'=' && b != b'\\');
+    let plain = !v.is_empty() && v.bytes().all(|b| PLAIN[b as usize]);
     if plain {
         out.extend_from_slice(v.as_bytes());
     } else {
         json_str(v, out);
     }
 }
+
+/// The bytes a text value may hold unquoted: printable ASCII but space, `"`, `=`, `\\`.
+const PLAIN: [bool; 256] = {
+    let mut t = [false; 256];
+    let mut b = 0x21;
+    while b < 0x7f {
+        t[b] = !matches!(b as u8, b'"' | b'=' | b'\\');
+        b += 1;
+    }
+    t
+};
 
 /// `v` as a JSON string literal: quotes, backslashes and control characters escaped;
 /// other characters (valid UTF-8 already) as they are.
@@ -250,20 +259,23 @@ fn timestamp(ms: Millis, out: &mut Vec<u8>) {
     let secs = ms / 1000;
     let (y, mo, d) = civil(secs / 86_400);
     let day = secs % 86_400;
-    digits(y, 4, out);
-    out.push(b'-');
-    digits(mo, 2, out);
-    out.push(b'-');
-    digits(d, 2, out);
-    out.push(b'T');
-    digits(day / 3600, 2, out);
-    out.push(b':');
-    digits(day % 3600 / 60, 2, out);
-    out.push(b':');
-    digits(day % 60, 2, out);
-    out.push(b'.');
-    digits(ms % 1000, 3, out);
-    out.push(b'Z');
+    let mut t = *b"0000-00-00T00:00:00.000Z";
+    fill(&mut t[0..4], y);
+    fill(&mut t[5..7], mo);
+    fill(&mut t[8..10], d);
+    fill(&mut t[11..13], day / 3600);
+    fill(&mut t[14..16], day % 3600 / 60);
+    fill(&mut t[17..19], day % 60);
+    fill(&mut t[20..23], ms % 1000);
+    out.extend_from_slice(&t);
+}
+
+/// `n`'s last `dst.len()` decimal digits, zero-padded, into `dst`.
+fn fill(dst: &mut [u8], mut n: u64) {
+    for d in dst.iter_mut().rev() {
+        *d = b'0' + (n % 10) as u8;
+        n /= 10;
+    }
 }
 
 /// `label` then `n` in decimal (the formatter's machinery costs more than the line's

@@ -63,6 +63,8 @@ pub(super) struct Committed {
     pub is_sse: bool,
     /// Request write → first body byte.
     pub latency: Duration,
+    /// When the first body byte was in hand (the stall guard's first window starts then).
+    pub at: Instant,
 }
 
 /// How an attempt ended before (or at) the commit point.
@@ -169,7 +171,7 @@ async fn phases(
     let sent_at = monotonic();
     let ttft = call.req.snap.config.resilience.stream.ttft_timeout;
     let first_byte_by = (sent_at + ttft).min(call.deadline);
-    let head = match send(conn, watch, call, &mut up, first_byte_by).await {
+    let head = match send(conn, watch, call, &mut up, (sent_at, first_byte_by)).await {
         // A pooled connection the upstream closed as it was taken (closed or reset at
         // once, not one byte of an answer: Pingora's "retry if reused") says nothing
         // about the provider, so the request goes once more, on a new connection (the
@@ -181,8 +183,8 @@ async fn phases(
             tracing::info!(provider = %p.id, connection = %p.connections[call.pick.connection].id,
                 "pooled upstream connection was closed; request resent on another connection");
             let got = async { Ok((call.req.engine.upstreams.fresh(&peer).await?, false)) };
-            up = session_of(watch.race(conn, call.left(), got).await)?.0;
-            send(conn, watch, call, &mut up, first_byte_by).await?
+            up = session_of(watch.race_until(conn, call.deadline, got).await)?.0;
+            send(conn, watch, call, &mut up, (monotonic(), first_byte_by)).await?
         }
         other => other?,
     };
@@ -190,15 +192,17 @@ async fn phases(
         return Ok(hold_error(conn, watch, call, up, peer, head).await);
     }
     let first = first_chunk(conn, watch, call, &mut up, first_byte_by).await?;
+    let now = monotonic();
     let committed = Committed {
         up,
         peer,
         head,
         first,
         is_sse: false,
-        latency: sent_at.elapsed(),
+        latency: now.saturating_duration_since(sent_at),
+        at: now,
     };
-    Ok(commit(conn, ctx, committed))
+    Ok(commit(conn, ctx, committed, now))
 }
 
 /// select → connect: DNS (cached, async) and a pooled or new upstream connection
@@ -213,7 +217,7 @@ async fn connect(
     let lookup = engine
         .resolver
         .resolve(&p.base_url.host, p.base_url.port, monotonic());
-    let addr = match watch.race(conn, call.left(), lookup).await {
+    let addr = match watch.race_until(conn, call.deadline, lookup).await {
         Wait::Ready(Ok(a)) => a,
         Wait::Ready(Err(_)) => {
             return Err(broken(
@@ -231,7 +235,7 @@ async fn connect(
     peer.options.idle_timeout = Some(POOL_IDLE);
     transport::configure(&mut peer, p);
     let got = engine.upstreams.session(&peer);
-    let (up, reused) = session_of(watch.race(conn, call.left(), got).await)?;
+    let (up, reused) = session_of(watch.race_until(conn, call.deadline, got).await)?;
     Ok((up, peer, reused))
 }
 
@@ -249,14 +253,14 @@ fn session_of(w: Wait<pingora::Result<(UpConn, bool)>>) -> Result<(UpConn, bool)
     }
 }
 
-/// Writes the request (model rewritten, credential set) and reads the response head,
-/// skipping 1xx, by `first_byte_by`.
+/// Writes the request (model rewritten, credential set) at `written_at` and reads the
+/// response head, skipping 1xx, by `first_byte_by`.
 async fn send(
     conn: &mut ClientConn,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
     up: &mut UpConn,
-    first_byte_by: Instant,
+    (written_at, first_byte_by): (Instant, Instant),
 ) -> Result<ResponseHead, AttemptEnd> {
     let cfg = &call.req.snap.config;
     let p = &cfg.providers[call.pick.provider];
@@ -278,9 +282,7 @@ async fn send(
         up.send(head, body).await?;
         up.read_head(MAX_UPSTREAM_HEADER_BYTES).await
     };
-    let written_at = monotonic();
-    let limit = first_byte_by.saturating_duration_since(written_at);
-    let head = match watch.race(conn, limit, exchange).await {
+    let head = match watch.race_until(conn, first_byte_by, exchange).await {
         Wait::Ready(Ok(head)) => head,
         Wait::Ready(Err(e)) => {
             let at_once = written_at.elapsed() < STALE_WINDOW;
@@ -414,8 +416,7 @@ async fn first_chunk(
     if up.is_done() {
         return Ok(None);
     }
-    let limit = first_byte_by.saturating_duration_since(monotonic());
-    match watch.race(conn, limit, up.read_body()).await {
+    match watch.race_until(conn, first_byte_by, up.read_body()).await {
         Wait::Ready(Ok(c)) => Ok(c),
         Wait::Ready(Err(_)) => Err(broken(
             TransportKind::Reset,
@@ -427,9 +428,14 @@ async fn first_chunk(
     }
 }
 
-/// The commit point: the response head is written for the client; it leaves with the
-/// first body bytes.
-fn commit(conn: &mut ClientConn, ctx: &mut RequestCtx, mut c: Committed) -> AttemptEnd {
+/// The commit point (at `now`): the response head is written for the client; it leaves
+/// with the first body bytes.
+fn commit(
+    conn: &mut ClientConn,
+    ctx: &mut RequestCtx,
+    mut c: Committed,
+    now: Instant,
+) -> AttemptEnd {
     c.is_sse = c
         .head
         .get("content-type")
@@ -447,6 +453,6 @@ fn commit(conn: &mut ClientConn, ctx: &mut RequestCtx, mut c: Committed) -> Atte
         size => size,
     });
     ctx.status = c.head.status();
-    ctx.ttfb = Some(ctx.started.elapsed());
+    ctx.ttfb = Some(now.saturating_duration_since(ctx.started));
     AttemptEnd::Committed(Box::new(c))
 }

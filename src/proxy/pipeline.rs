@@ -48,9 +48,14 @@ pub async fn run(conn: &mut ClientConn, req: Request<'_>, ctx: &mut RequestCtx) 
         held: None,
     };
     let mut next = Next::Select;
+    // The clock read above serves the first selection, which follows at once.
+    let mut fresh = Some(now);
     loop {
         next = match next {
-            Next::Select => d.select(&mut fsm).await,
+            Next::Select => {
+                let now = fresh.take().unwrap_or_else(|| d.req.engine.now());
+                d.select(&mut fsm, now).await
+            }
             Next::Attempt(pick) => match d.attempt(conn, &mut fsm, pick, ctx).await {
                 Step::Next(n) => n,
                 Step::Done(result) => return result,
@@ -102,6 +107,8 @@ fn emergency_fallback(req: &Request<'_>) -> Option<usize> {
 struct Slot {
     pick: Pick,
     probe: bool,
+    /// When the pick was made: its attempt's start, unless a lane wait comes first.
+    at: Millis,
     /// Held for the attempt's whole life (its stream included); released on drop.
     _permit: PermitGuard,
 }
@@ -124,15 +131,15 @@ struct Driver<'a> {
 }
 
 impl Driver<'_> {
-    async fn select(&mut self, fsm: &mut Failover) -> Next {
+    /// Selects at `now`, a clock reading taken just before.
+    async fn select(&mut self, fsm: &mut Failover, now: Millis) -> Next {
         let r = &self.req;
         let pin = r.pin_key.as_deref().and_then(|k| r.engine.pinned(k));
         let selection = {
             let asker = asker(r, fsm.tried());
             r.engine
-                .select(r.snap, r.model, r.family, &asker, pin.as_deref())
+                .select_at(r.snap, r.model, r.family, &asker, pin.as_deref(), now)
         };
-        let now = r.engine.now();
         match selection {
             Selection::Picked {
                 pick,
@@ -141,27 +148,30 @@ impl Driver<'_> {
                 permit,
             } => {
                 let limits = crate::engine::select::limits(r.engine, r.snap, r.model, &candidate);
-                let (permit, admitted) = if limits.is_shared() {
-                    match limits.admit(permit).await {
+                let (permit, admitted, now) = if limits.is_shared() {
+                    // The cluster's answer took a round trip: the clock moved.
+                    let (p, admitted) = match limits.admit(permit).await {
                         Ok(p) => (p, true),
                         Err(p) => (p, false),
-                    }
+                    };
+                    (p, admitted, self.req.engine.now())
                 } else {
-                    (permit, true)
+                    (permit, true, now)
                 };
                 self.slot = Some(Slot {
                     pick,
                     probe,
+                    at: now,
                     _permit: permit,
                 });
                 if admitted {
-                    return fsm.on_offer(Offer::Picked(pick), self.req.engine.now());
+                    return fsm.on_offer(Offer::Picked(pick), now);
                 }
                 // The cluster is at the cap (SPEC §7.1): wait for it like a local cap,
                 // giving back the probe and the local permits meanwhile.
                 self.release_slot();
                 self.full = vec![candidate];
-                fsm.on_offer(Offer::Full, self.req.engine.now())
+                fsm.on_offer(Offer::Full, now)
             }
             Selection::Full { full, .. } => {
                 self.full = full;
@@ -187,7 +197,9 @@ impl Driver<'_> {
         let engine = self.req.engine;
         let inflight = Inflight::start(&self.req, pick);
         let mut probe = slot.probe;
-        let (end, started) = self.attempt_rounds(conn, pick, &mut probe, ctx).await;
+        let (end, started) = self
+            .attempt_rounds(conn, pick, slot.at, &mut probe, ctx)
+            .await;
         if matches!(end, AttemptEnd::Committed(_)) {
             // No attempt follows a commit: the client's body need not outlive its stream.
             self.req.body.release();
@@ -227,13 +239,16 @@ impl Driver<'_> {
         &mut self,
         conn: &mut ClientConn,
         pick: Pick,
+        picked_at: Millis,
         probe: &mut bool,
         ctx: &mut RequestCtx,
     ) -> (AttemptEnd, Millis) {
         let engine = self.req.engine;
         let mut rounds = Rounds::default();
+        // The first round starts as the pick is made; a round after a wait, now.
+        let mut first = Some(picked_at);
         loop {
-            let started = engine.now();
+            let started = first.take().unwrap_or_else(|| engine.now());
             let call = Call {
                 req: &self.req,
                 pick,
@@ -318,7 +333,8 @@ impl Driver<'_> {
         {
             return Queued::NotRunnable;
         }
-        let probe = match r.engine.breaker_permit(r.snap, c.provider, r.engine.now()) {
+        let now = r.engine.now();
+        let probe = match r.engine.breaker_permit(r.snap, c.provider, now) {
             Permit::Allow => false,
             Permit::Probe => true,
             Permit::Deny { .. } => {
@@ -331,6 +347,7 @@ impl Driver<'_> {
         self.slot = Some(Slot {
             pick,
             probe,
+            at: now,
             _permit: permit,
         });
         Queued::Got(pick)

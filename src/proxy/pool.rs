@@ -18,9 +18,9 @@
 use super::h1::H1;
 use super::upconn::UpConn;
 use crate::engine::state::lock;
+use foldhash::HashMap;
 use pingora::connectors::{ConnectorOptions, TransportConnector};
 use pingora::upstreams::peer::{HttpPeer, Peer};
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -54,17 +54,33 @@ struct IdleSet {
 }
 
 impl IdleSet {
-    /// Moves the expired connections at the front of `key`'s list (the oldest) to
-    /// `out`, to be closed once the lock is released. Only the oldest are looked at, so
-    /// a busy peer's long list is not walked per request; one that expired behind a
-    /// younger one (a shorter idle timeout) is dropped when taken or by the sweeper.
-    fn expire(&mut self, key: u64, now: Instant, out: &mut Vec<Idle>) {
-        if let Some(list) = self.by_peer.get_mut(&key) {
-            let n = list.iter().take_while(|i| i.expired(now)).count();
-            if n > 0 {
-                out.extend(list.drain(..n));
-                self.total -= n;
-            }
+    /// The newest idle connection of `key`, after the expired ones at the front of its
+    /// list (the oldest) went to `out`, to be closed once the lock is released.
+    fn take(&mut self, key: u64, now: Instant, out: &mut Vec<Idle>) -> Option<Idle> {
+        let list = self.by_peer.get_mut(&key)?;
+        self.total -= expire(list, now, out);
+        let idle = list.pop()?;
+        self.total -= 1;
+        Some(idle)
+    }
+
+    /// Keeps `idle` as `key`'s newest, within the caps; what goes (expired, over a cap,
+    /// or `idle` itself when the pool is full) is moved to `out`.
+    fn put(&mut self, key: u64, idle: Idle, out: &mut Vec<Idle>) {
+        let list = self.by_peer.entry(key).or_default();
+        let expired = expire(list, idle.since, out);
+        self.total -= expired;
+        let full = self.total >= self.cap;
+        if full && list.is_empty() {
+            out.push(idle);
+            return;
+        }
+        list.push(idle);
+        // Over a cap: this peer's oldest goes.
+        if full || list.len() > IDLE_PER_PEER {
+            out.push(list.remove(0));
+        } else {
+            self.total += 1;
         }
     }
 
@@ -77,6 +93,18 @@ impl IdleSet {
         });
         self.total -= out.len() - before;
     }
+}
+
+/// Moves the expired connections at the front of `list` (the oldest) to `out`; returns
+/// how many. Only the oldest are looked at, so a busy peer's long list is not walked per
+/// request; one that expired behind a younger one (a shorter idle timeout) is dropped
+/// when taken or by the sweeper.
+fn expire(list: &mut Vec<Idle>, now: Instant, out: &mut Vec<Idle>) -> usize {
+    let n = list.iter().take_while(|i| i.expired(now)).count();
+    if n > 0 {
+        out.extend(list.drain(..n));
+    }
+    n
 }
 
 /// Moves the entries of `list` that `gone` picks to `out`, keeping the order of the rest
@@ -131,7 +159,7 @@ impl Upstreams {
             multiplexing: pingora::connectors::http::Connector::new(Some(options.clone())),
             transport: TransportConnector::new(Some(options)),
             idle: Arc::new(Mutex::new(IdleSet {
-                by_peer: HashMap::new(),
+                by_peer: HashMap::default(),
                 total: 0,
                 cap,
             })),
@@ -170,14 +198,8 @@ impl Upstreams {
     fn take(&self, key: u64, now: Instant) -> Option<H1> {
         let mut closed = Vec::new();
         let found = loop {
-            let mut idle = {
-                let mut set = lock(&self.idle);
-                set.expire(key, now, &mut closed);
-                let Some(i) = set.by_peer.get_mut(&key).and_then(Vec::pop) else {
-                    break None;
-                };
-                set.total -= 1;
-                i
+            let Some(mut idle) = lock(&self.idle).take(key, now, &mut closed) else {
+                break None;
             };
             if !idle.expired(now) && idle.conn.still_open() {
                 break Some(idle.conn);
@@ -210,28 +232,12 @@ impl Upstreams {
         let now = crate::clock::monotonic();
         let key = pool_key(peer);
         let mut closed = Vec::new();
-        {
-            let mut set = lock(&self.idle);
-            set.expire(key, now, &mut closed);
-            let idle = Idle {
-                conn,
-                since: now,
-                timeout: idle_timeout,
-            };
-            let full = set.total >= set.cap;
-            let list = set.by_peer.entry(key).or_default();
-            if full && list.is_empty() {
-                closed.push(idle);
-            } else {
-                list.push(idle);
-                // Over a cap: this peer's oldest goes.
-                if full || list.len() > IDLE_PER_PEER {
-                    closed.push(list.remove(0));
-                } else {
-                    set.total += 1;
-                }
-            }
-        }
+        let idle = Idle {
+            conn,
+            since: now,
+            timeout: idle_timeout,
+        };
+        lock(&self.idle).put(key, idle, &mut closed);
         drop(closed);
     }
 

@@ -23,9 +23,18 @@ pub enum Route {
 
 impl Route {
     /// Matches a request line (the path is normalised first; the query is ignored).
-    pub fn from_request(method: &str, path: &str) -> Option<Route> {
-        let path = normalize(path);
-        let route = match &*path {
+    pub fn from_request(method: &str, target: &str) -> Option<Route> {
+        // A client's path is nearly always a route's canonical one: matched as it is.
+        let route = match Route::canonical(path_part(target)) {
+            Some(r) => r,
+            None => Route::canonical(&normalize(target))?,
+        };
+        (method == route.method()).then_some(route)
+    }
+
+    /// The route whose canonical path is `path` exactly.
+    fn canonical(path: &str) -> Option<Route> {
+        Some(match path {
             "/v1/chat/completions" => Route::ChatCompletions,
             "/v1/completions" => Route::Completions,
             "/v1/embeddings" => Route::Embeddings,
@@ -35,8 +44,7 @@ impl Route {
             "/v1/models" => Route::Models,
             "/api/v1/session-leases" => Route::SessionLeases,
             _ => return None,
-        };
-        (method == route.method()).then_some(route)
+        })
     }
 
     /// Matches the path only: `Some` with a wrong method is a 405, not a 404.
@@ -111,7 +119,7 @@ impl Route {
 /// A `%XX` that is not an unreserved character (`%2F`, `%00`, bad hex) stays as written,
 /// so it can never turn into a separator or a route.
 pub fn normalize(target: &str) -> Cow<'_, str> {
-    let path = target.split(['?', '#']).next().unwrap_or("");
+    let path = path_part(target);
     // The common case, already canonical: no copy.
     if path.starts_with('/')
         && (path.len() == 1 || !path.ends_with('/'))
@@ -141,6 +149,14 @@ pub fn normalize(target: &str) -> Cow<'_, str> {
         out.push('/');
     }
     Cow::Owned(out)
+}
+
+/// A request target up to its query or fragment.
+fn path_part(target: &str) -> &str {
+    match memchr::memchr2(b'?', b'#', target.as_bytes()) {
+        Some(i) => &target[..i],
+        None => target,
+    }
 }
 
 fn decode_unreserved(seg: &str) -> String {

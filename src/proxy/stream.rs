@@ -62,6 +62,7 @@ pub(super) async fn stream(
         first,
         is_sse,
         head,
+        at,
         ..
     } = c;
     // Written already: not held for the stream's life.
@@ -74,7 +75,7 @@ pub(super) async fn stream(
             Err(_) => cut(AbortReason::ClientGone),
         };
     };
-    let mut pump = Pump::new(req, is_sse, deadline);
+    let mut pump = Pump::new(req, is_sse, deadline, at);
     let end = pump.run(conn, watch, &mut up, first).await;
     match end {
         StreamEnd::Complete => req.engine.upstreams.release(up, &peer, POOL_IDLE).await,
@@ -95,7 +96,8 @@ struct Pump<'r, 'a> {
 }
 
 impl<'r, 'a> Pump<'r, 'a> {
-    fn new(req: &'r Request<'a>, is_sse: bool, deadline: Instant) -> Self {
+    /// The guards of a body committed `at`.
+    fn new(req: &'r Request<'a>, is_sse: bool, deadline: Instant, at: Instant) -> Self {
         Pump {
             req,
             is_sse,
@@ -103,7 +105,7 @@ impl<'r, 'a> Pump<'r, 'a> {
             progress: SseProgress::default(),
             boundary: EventBoundary::default(),
             watchdog: Watch::new(req, is_sse),
-            last_progress: monotonic(),
+            last_progress: at,
         }
     }
 
@@ -123,10 +125,7 @@ impl<'r, 'a> Pump<'r, 'a> {
                     return end;
                 }
             }
-            let now = monotonic();
-            let limit = (self.last_progress + stall)
-                .min(self.deadline)
-                .saturating_duration_since(now);
+            let until = (self.last_progress + stall).min(self.deadline);
             let read = async {
                 tokio::select! {
                     biased;
@@ -134,7 +133,7 @@ impl<'r, 'a> Pump<'r, 'a> {
                     _ = until_set(&mut stopping) => None,
                 }
             };
-            let got = match watch.race(conn, limit, read).await {
+            let got = match watch.race_until(conn, until, read).await {
                 Wait::Ready(None) => return self.fail(conn, None, AbortReason::Shutdown).await,
                 Wait::Ready(Some(r)) => Wait::Ready(r),
                 Wait::TimedOut => Wait::TimedOut,
@@ -208,11 +207,11 @@ impl<'r, 'a> Pump<'r, 'a> {
     /// Runs the watchdog on one chunk (its progress already fed): false when the
     /// watchdog ends the stream on it.
     fn admit(&mut self, chunk: &[u8]) -> bool {
-        let now = self.req.engine.now();
+        let engine = self.req.engine;
         if self
             .watchdog
             .as_mut()
-            .is_some_and(|w| w.too_slow(chunk, now))
+            .is_some_and(|w| w.too_slow(chunk, engine.now()))
         {
             return false;
         }

@@ -11,7 +11,13 @@
 use crate::server::conn::ClientConn;
 use std::future::Future;
 use std::task::Poll;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// A wait's time limit: a span from when it starts waiting, or a point in time.
+enum Limit {
+    For(Duration),
+    Until(Instant),
+}
 
 /// How a raced wait ended.
 pub enum Wait<T> {
@@ -33,10 +39,30 @@ impl Default for ClientWatch {
 
 impl ClientWatch {
     /// Runs `fut` for at most `limit`, watching the client connection meanwhile.
-    pub async fn race<F: Future>(
+    pub fn race<'w, F: Future + 'w>(
+        &'w mut self,
+        conn: &'w mut ClientConn,
+        limit: Duration,
+        fut: F,
+    ) -> impl Future<Output = Wait<F::Output>> + 'w {
+        self.run(conn, Limit::For(limit), fut)
+    }
+
+    /// Runs `fut` until `until` at the latest, watching the client connection meanwhile.
+    /// The clock is not read when `fut` is ready at once.
+    pub fn race_until<'w, F: Future + 'w>(
+        &'w mut self,
+        conn: &'w mut ClientConn,
+        until: Instant,
+        fut: F,
+    ) -> impl Future<Output = Wait<F::Output>> + 'w {
+        self.run(conn, Limit::Until(until), fut)
+    }
+
+    async fn run<F: Future>(
         &mut self,
         conn: &mut ClientConn,
-        limit: Duration,
+        limit: Limit,
         fut: F,
     ) -> Wait<F::Output> {
         tokio::pin!(fut);
@@ -49,7 +75,10 @@ impl ClientWatch {
         if let Some(out) = first.await {
             return Wait::Ready(out);
         }
-        let sleep = tokio::time::sleep(limit);
+        let sleep = match limit {
+            Limit::For(d) => tokio::time::sleep(d),
+            Limit::Until(t) => tokio::time::sleep_until(t.into()),
+        };
         tokio::pin!(sleep);
         loop {
             tokio::select! {
