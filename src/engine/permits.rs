@@ -161,7 +161,9 @@ impl Limits {
 
     /// Takes the permits now, or `None` when a cap is full.
     pub fn try_acquire(&self) -> Option<PermitGuard> {
-        let mut held = Vec::with_capacity(2);
+        // No allocation for a slot without caps.
+        let caps = usize::from(self.conn.is_some()) + usize::from(self.model.is_some());
+        let mut held = Vec::with_capacity(caps);
         if let Some(s) = &self.conn {
             held.push(s.clone().try_acquire_owned().ok()?);
         }

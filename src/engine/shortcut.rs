@@ -23,6 +23,7 @@ use crate::policy::breaker::BreakerState;
 use crate::policy::Millis;
 use crate::routing::{ModelRouting, Offer};
 use rand::Rng;
+use smallvec::SmallVec;
 use std::cell::OnceCell;
 
 /// Draws per `p2c` view before giving up on sampling.
@@ -84,7 +85,7 @@ pub(super) fn pick(
 struct Short<'a> {
     ctx: &'a Ctx<'a>,
     /// Each target's gate, read when first needed (`None`: another family).
-    gates: Vec<OnceCell<Option<Gate<'a>>>>,
+    gates: SmallVec<[OnceCell<Option<Gate<'a>>>; 4]>,
     family: Family,
     /// The asker has no client scope and no lease: every slot is offered.
     plain: bool,
@@ -156,8 +157,8 @@ impl Short<'_> {
             _ => 0,
         };
         let first_wins = matches!(strategy, Strategy::Priority | Strategy::RoundRobin);
-        let mut offers: Vec<Offer> = Vec::new();
-        let mut found: Vec<Candidate> = Vec::new();
+        let mut offers: SmallVec<[Offer; 4]> = SmallVec::new();
+        let mut found: SmallVec<[Candidate; 4]> = SmallVec::new();
         for ti in (start..n).chain(0..start) {
             let gate = if strategy == Strategy::Priority {
                 self.gate(ti)

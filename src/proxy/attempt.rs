@@ -56,7 +56,8 @@ pub(super) struct HeldError {
 /// A response whose header went to the client: only its body is left to stream.
 pub(super) struct Committed {
     pub up: UpConn,
-    pub peer: HttpPeer,
+    /// Boxed: a peer is ~670 bytes, and an attempt's futures move it several times.
+    pub peer: Box<HttpPeer>,
     pub head: ResponseHead,
     /// The first body chunk (`None`: the body was empty and is complete).
     pub first: Option<Bytes>,
@@ -211,7 +212,7 @@ async fn connect(
     conn: &mut ClientConn,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
-) -> Result<(UpConn, HttpPeer, bool), AttemptEnd> {
+) -> Result<(UpConn, Box<HttpPeer>, bool), AttemptEnd> {
     let engine = call.req.engine;
     let p = &call.req.snap.config.providers[call.pick.provider];
     let lookup = engine
@@ -229,7 +230,7 @@ async fn connect(
         Wait::TimedOut => return Err(AttemptEnd::Deadline),
         Wait::ClientGone => return Err(AttemptEnd::ClientGone),
     };
-    let mut peer = HttpPeer::new(addr, p.base_url.tls, p.base_url.host.clone());
+    let mut peer = Box::new(HttpPeer::new(addr, p.base_url.tls, p.base_url.host.clone()));
     peer.options.connection_timeout = Some(p.connect_timeout);
     peer.options.total_connection_timeout = Some(p.connect_timeout * 2);
     peer.options.idle_timeout = Some(POOL_IDLE);
@@ -325,7 +326,7 @@ async fn hold_error(
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
     mut up: UpConn,
-    peer: HttpPeer,
+    peer: Box<HttpPeer>,
     head: ResponseHead,
 ) -> AttemptEnd {
     let mut buf = BytesMut::new();

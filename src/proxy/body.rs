@@ -1,7 +1,8 @@
 //! The client's JSON body: validated once, then rewritten per attempt by splicing.
 //!
-//! The body is parsed once with serde (to validate it and read `model` / `stream`), and
-//! the byte span of the top-level `model` string is located with a small scanner. Each
+//! The body is read once (to validate it and read `model` / `stream`): by
+//! `proxy::bodyscan` when it can, else by serde, with the byte span of the top-level
+//! `model` string located by a small scanner. Each
 //! attempt's body is the original bytes with only that span replaced, so everything else
 //! (key order, whitespace, numbers, unicode escapes) reaches the upstream byte for byte:
 //! upstream prompt caches and signatures see exactly what the client sent.
@@ -31,6 +32,17 @@ impl ParsedBody {
     pub fn parse(raw: Bytes) -> Result<Self, String> {
         if raw.is_empty() {
             return Err("request body is empty; expected a JSON object".into());
+        }
+        // The common body in one pass; anything it does not take, serde_json reads.
+        if let Some(top) = super::bodyscan::scan(&raw) {
+            let (a, b) = top.model;
+            let model = String::from_utf8_lossy(&raw[a + 1..b - 1]).into_owned();
+            return Ok(Self {
+                raw,
+                model,
+                stream: top.stream,
+                model_span: top.model,
+            });
         }
         // serde would also accept a top-level array as a struct; requests are objects.
         let first = raw.iter().find(|b| !b.is_ascii_whitespace());
@@ -81,11 +93,23 @@ impl ParsedBody {
         if upstream_model == self.model {
             return self.raw.clone();
         }
-        let quoted = serde_json::to_string(upstream_model).unwrap_or_else(|_| "\"\"".into());
+        // A name with nothing to escape (the usual one) is quoted as it is.
+        let plain = upstream_model
+            .bytes()
+            .all(|c| c >= 0x20 && c != b'"' && c != b'\\');
+        let escaped;
+        let quoted: &[u8] = if plain {
+            upstream_model.as_bytes()
+        } else {
+            escaped = serde_json::to_string(upstream_model).unwrap_or_else(|_| "\"\"".into());
+            &escaped.as_bytes()[1..escaped.len() - 1]
+        };
         let (a, b) = self.model_span;
-        let mut out = BytesMut::with_capacity(self.raw.len() + quoted.len());
+        let mut out = BytesMut::with_capacity(self.raw.len() + quoted.len() + 2);
         out.extend_from_slice(&self.raw[..a]);
-        out.extend_from_slice(quoted.as_bytes());
+        out.extend_from_slice(b"\"");
+        out.extend_from_slice(quoted);
+        out.extend_from_slice(b"\"");
         out.extend_from_slice(&self.raw[b..]);
         out.freeze()
     }

@@ -14,6 +14,7 @@ pub mod access;
 pub mod admit;
 pub mod attempt;
 pub mod body;
+pub mod bodyscan;
 pub mod ctx;
 pub mod finish;
 pub mod framing;

@@ -112,14 +112,18 @@ pub fn request_head(
     body_len: usize,
     slow: bool,
 ) -> Vec<u8> {
-    let mut replaced: Vec<&str> = Vec::new();
-    let mut extra: Vec<(&[u8], &[u8])> = Vec::with_capacity(4);
     let credential;
     let beta;
+    let mut replaced: Vec<&str> = Vec::new();
+    let mut extra: smallvec::SmallVec<[(&[u8], &[u8]); 4]> = smallvec::SmallVec::new();
     if let Some(key) = &connection.key {
         match (provider.api, provider.class) {
             (Family::OpenAi, _) | (Family::Anthropic, ProviderClass::OAuth) => {
-                credential = format!("Bearer {}", key.expose());
+                let key = key.expose();
+                let mut v = String::with_capacity(7 + key.len());
+                v.push_str("Bearer ");
+                v.push_str(key);
+                credential = v;
                 extra.push((b"Authorization", credential.as_bytes()));
             }
             (Family::Anthropic, _) => extra.push((b"x-api-key", key.expose().as_bytes())),
