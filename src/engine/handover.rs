@@ -163,13 +163,13 @@ impl Engine {
                 (Some(v), Table::Leases) => {
                     if let Ok(lease) = serde_json::from_value::<Lease>(v.clone()) {
                         if lease.owner_hash == c.key {
-                            lock(&self.leases).mirror(lease, now);
+                            self.leases.lock().mirror(lease, now);
                             n += 1;
                         }
                     }
                 }
                 (None, Table::Leases) => {
-                    n += usize::from(lock(&self.leases).forget(&c.key));
+                    n += usize::from(self.leases.lock().forget(&c.key));
                 }
                 // Taken together after the batch: one re-layering, the last value per key.
                 (v, Table::Overrides) => {

@@ -10,6 +10,7 @@
 pub mod handover;
 pub mod hot_metrics;
 pub mod judge;
+pub mod leases;
 pub mod permits;
 pub mod record;
 pub mod reload;
@@ -29,7 +30,6 @@ use crate::metrics::Metrics;
 use crate::policy::affinity::PinTable;
 use crate::policy::breaker::Permit;
 use crate::policy::cooldown::Eligibility;
-use crate::policy::lease::LeaseTable;
 use crate::policy::Millis;
 use crate::proxy::resolve::Resolver;
 use crate::routing::ModelRouting;
@@ -440,7 +440,7 @@ pub struct Engine {
     clock: Arc<dyn Clock>,
     pub reload: reload::ReloadState,
     pub permits: Permits,
-    pub leases: Mutex<LeaseTable>,
+    pub leases: leases::Leases,
     pub pins: Mutex<PinTable>,
     pub signals: Mutex<HashMap<String, Signals>>,
     /// Runtime setting overrides (PATCH /api/resilience), persisted.
@@ -481,7 +481,7 @@ impl Engine {
             clock,
             reload: reload::ReloadState::new(config_path, now),
             permits: Permits::default(),
-            leases: Mutex::new(LeaseTable::default()),
+            leases: leases::Leases::default(),
             pins: Mutex::new(PinTable::default()),
             signals: Mutex::new(Default::default()),
             lifecycle: crate::server::lifecycle::Lifecycle::new(),
@@ -498,6 +498,12 @@ impl Engine {
     /// The current snapshot; a request keeps the `Arc` it got here until it ends.
     pub fn snapshot(&self) -> Arc<Snapshot> {
         self.snapshot.load_full()
+    }
+
+    /// The current snapshot for a short look (no reference count taken: nothing shared
+    /// is written); not to be held across an `.await`.
+    pub fn current(&self) -> arc_swap::Guard<Arc<Snapshot>> {
+        self.snapshot.load()
     }
 
     fn swap(&self, snap: Snapshot) {
@@ -742,7 +748,7 @@ impl Engine {
         m.affinity_pins_active
             .set(lock(&self.pins).active_count(now) as i64);
         m.leases_active
-            .set(lock(&self.leases).active_count(now) as i64);
+            .set(self.leases.lock().active_count(now) as i64);
     }
 }
 

@@ -182,9 +182,9 @@ impl Engine {
         // An attempt made with a credential that a reload has since replaced says
         // nothing about the new one (it must not re-mark a rotated key terminal).
         let used = a.snap.fingerprint(a.pick.provider, a.pick.connection);
-        let current = self.snapshot();
+        let current = self.current();
         // Unchanged when the attempt's snapshot is still the current one.
-        if !std::ptr::eq(&*current, a.snap) && current.fingerprint_of(&p.id, &conn.id) != used {
+        if !std::ptr::eq(&**current, a.snap) && current.fingerprint_of(&p.id, &conn.id) != used {
             return;
         }
         drop(current);

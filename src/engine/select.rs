@@ -257,7 +257,7 @@ pub fn evaluate(
     asker: &Asker<'_>,
     now: Millis,
 ) -> Evaluation {
-    let leases = lock(&engine.leases);
+    let leases = engine.leases.lock();
     let ctx = Ctx {
         engine,
         snap,

@@ -102,7 +102,7 @@ impl Engine {
         &self,
         f: impl FnOnce(&mut LeaseTable) -> (R, Option<Vec<String>>),
     ) -> (R, Option<CommitWait>) {
-        let mut table = lock(&self.leases);
+        let mut table = self.leases.lock();
         let (r, removed) = f(&mut table);
         let wait = match (removed, &self.store) {
             (Some(removed), Some(store)) => {
@@ -233,7 +233,7 @@ impl Engine {
         if let Some(cluster) = self.cluster.get() {
             if let Ok(row) = cluster.lease_get(owner).await {
                 let now = self.now();
-                let mut table = lock(&self.leases);
+                let mut table = self.leases.lock();
                 match row {
                     Some(lease) => table.mirror(lease, now),
                     None => {
@@ -252,7 +252,8 @@ impl Engine {
         owner: &str,
         generation: u64,
     ) -> Result<Lease, LeaseError> {
-        lock(&self.leases)
+        self.leases
+            .lock()
             .check(client, owner, generation, self.now())
             .cloned()
     }
@@ -275,7 +276,7 @@ impl Engine {
                 .await
                 .ok()
                 .flatten()?;
-            lock(&self.leases).mirror(moved.clone(), now);
+            self.leases.lock().mirror(moved.clone(), now);
             if moved.connection != lease.connection {
                 tracing::info!(client = %client.id, from = %lease.connection, to = %moved.connection, "lease moved");
             }
@@ -318,7 +319,7 @@ impl Engine {
                 .await
             {
                 Ok(Acquired::Granted(lease)) => {
-                    lock(&self.leases).mirror(lease.clone(), now);
+                    self.leases.lock().mirror(lease.clone(), now);
                     return Ok((token, lease));
                 }
                 Ok(Acquired::OwnerTaken) => continue,
@@ -348,7 +349,7 @@ impl Engine {
         let now = self.now();
         match r {
             Ok(Ok(lease)) => {
-                let mut table = lock(&self.leases);
+                let mut table = self.leases.lock();
                 if released {
                     table.forget(&lease.owner_hash);
                 } else {
@@ -358,7 +359,7 @@ impl Engine {
             }
             Ok(Err(e)) => {
                 if e == LeaseError::UnknownOwner {
-                    lock(&self.leases).forget(&owner_hash(owner));
+                    self.leases.lock().forget(&owner_hash(owner));
                 }
                 Err(LeaseFailure::Lease(e))
             }
@@ -432,7 +433,7 @@ impl Engine {
             Some(rows) => {
                 let table = crate::policy::lease::LeaseTable::from_rows(rows.clone(), now);
                 let n = table.active_count(now);
-                *lock(&self.leases) = table;
+                *self.leases.lock() = table;
                 n
             }
             None => 0,
@@ -478,7 +479,7 @@ mod tests {
             _ => panic!("a lease that is not durable must not be granted"),
         }
         // Taken back: the connection is free, nothing is held in memory.
-        assert_eq!(lock(&engine.leases).active_count(engine.now()), 0);
+        assert_eq!(engine.leases.lock().active_count(engine.now()), 0);
 
         // The store heals: the queued undo wins over the failed grant, and a new
         // acquire is durable.
@@ -511,7 +512,7 @@ mod tests {
         assert!(writer.health().failed_commits >= 3);
         store.failing.store(false, Ordering::SeqCst);
         assert!(engine.lease_release(&client, &token).await.is_ok());
-        assert_eq!(lock(&engine.leases).active_count(engine.now()), 0);
+        assert_eq!(engine.leases.lock().active_count(engine.now()), 0);
         let stored = store.load().unwrap()[&Table::Leases].clone();
         assert!(!stored.contains_key(&lease.owner_hash), "{stored:?}");
     }

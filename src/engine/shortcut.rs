@@ -11,7 +11,8 @@
 //! Invariant: a pick made here is one the full evaluation followed by the strategy
 //! could have made from the same state (the same candidate for the deterministic
 //! strategies, the same distribution for the random ones), with the same routing
-//! state afterwards. Whenever that cannot be shown cheaply — nothing usable among
+//! state afterwards (but for the rotation point of a one-connection target, which
+//! nothing reads: `priority` takes such a target without the model's routing lock). Whenever that cannot be shown cheaply — nothing usable among
 //! what was checked, only DEGRADED providers, `reset-aware` (which ranks every view by
 //! its rate-limit signals) — it returns `None` and the caller evaluates in full.
 
@@ -20,6 +21,7 @@ use super::state::lock;
 use super::{Engine, Slot, Snapshot};
 use crate::config::{Family, Strategy};
 use crate::policy::breaker::BreakerState;
+use crate::policy::lease::LeaseTable;
 use crate::policy::Millis;
 use crate::routing::{ModelRouting, Offer};
 use rand::Rng;
@@ -43,13 +45,21 @@ pub(super) fn pick(
     pin: Option<&str>,
     now: Millis,
 ) -> Option<Candidate> {
-    let leases = lock(&engine.leases);
+    // Without any lease, an empty table answers the same as the locked one.
+    let locked;
+    let none = LeaseTable::default();
+    let leases: &LeaseTable = if engine.leases.any() {
+        locked = engine.leases.lock();
+        &locked
+    } else {
+        &none
+    };
     let ctx = Ctx {
         engine,
         snap,
         model,
         asker,
-        leases: &leases,
+        leases,
         now,
     };
     let s = Short {
@@ -70,11 +80,12 @@ pub(super) fn pick(
     // The model's routing state only for the strategies that keep one.
     let routing = || lock(&snap.routing[model]);
     match m.strategy {
-        Strategy::Priority
-        | Strategy::Weighted
-        | Strategy::RoundRobin
-        | Strategy::Random
-        | Strategy::CostOptimized => s.target_level(m.strategy, &mut routing()),
+        Strategy::Priority => s
+            .first_single()
+            .or_else(|| s.target_level(m.strategy, &mut routing())),
+        Strategy::Weighted | Strategy::RoundRobin | Strategy::Random | Strategy::CostOptimized => {
+            s.target_level(m.strategy, &mut routing())
+        }
         Strategy::LeastUsed => s.least_used(&mut routing()),
         Strategy::P2c => s.p2c(m.p2c_latency_weight),
         Strategy::FillFirst => s.fill_first(),
@@ -144,6 +155,22 @@ impl Short<'_> {
         (start..n)
             .chain(0..start)
             .find_map(|ci| self.runnable(ti, ci, gate))
+    }
+
+    /// `priority` while the targets in its order have one connection each: the first
+    /// runnable one, without the model's routing lock (a one-connection target's
+    /// rotation has nothing to record). `None` at the first target with several
+    /// connections, or when none is runnable: the locked way then decides.
+    fn first_single(&self) -> Option<Candidate> {
+        for ti in 0..self.targets() {
+            if self.connections(ti) != 1 {
+                return None;
+            }
+            if let Some(c) = self.gate(ti).and_then(|g| self.runnable(ti, 0, g)) {
+                return Some(c);
+            }
+        }
+        None
     }
 
     /// `priority`, `weighted`, `round-robin`, `random`, `cost-optimized`: the targets
@@ -407,8 +434,17 @@ mod tests {
         select::pick(e, snap, 0, &eval.runnable, T0)
     }
 
+    /// The model's routing state, less the rotation points of one-connection targets
+    /// (never read: `priority` skips the lock for those, the full way records them).
     fn routing_of(snap: &Snapshot) -> String {
-        format!("{:?}", lock(&snap.routing[0]))
+        let mut r = lock(&snap.routing[0]).clone();
+        let cfg = &snap.config;
+        for (ti, t) in cfg.models[0].targets.iter().enumerate() {
+            if cfg.providers[t.provider].connections.len() == 1 {
+                r.reset_rotation(ti);
+            }
+        }
+        format!("{r:?}")
     }
 
     proptest! {

@@ -326,6 +326,11 @@ impl LeaseTable {
     }
 
     /// Shared backend: the cluster no longer holds this owner's lease.
+    /// Whether the table holds no lease at all (expired ones not yet pruned count).
+    pub fn is_empty(&self) -> bool {
+        self.leases.is_empty()
+    }
+
     pub fn forget(&mut self, owner_hash: &str) -> bool {
         self.leases.remove(owner_hash).is_some()
     }

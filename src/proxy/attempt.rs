@@ -126,25 +126,23 @@ impl Call<'_, '_> {
 }
 
 /// Counts an attempt in `sluice_inflight` from its start to the end of its stream,
-/// however it ends.
-pub(super) struct Inflight(prometheus::IntGauge);
+/// however it ends. It borrows the snapshot's handle (a clone would add two writes to
+/// a count every thread shares).
+pub(super) struct Inflight<'s>(&'s prometheus::IntGauge);
 
-impl Inflight {
-    pub fn start(req: &Request<'_>, pick: Pick) -> Inflight {
-        let p = &req.snap.config.providers[pick.provider];
+impl<'s> Inflight<'s> {
+    pub fn start(req: &Request<'s>, pick: Pick) -> Inflight<'s> {
+        let snap: &'s crate::engine::Snapshot = req.snap;
+        let p = &snap.config.providers[pick.provider];
         let names = [p.id.as_str(), p.connections[pick.connection].id.as_str()];
         let ids = (pick.provider, pick.connection);
-        let gauge = req
-            .snap
-            .hot
-            .inflight(&req.engine.metrics, ids, names)
-            .clone();
+        let gauge = snap.hot.inflight(&req.engine.metrics, ids, names);
         gauge.inc();
         Inflight(gauge)
     }
 }
 
-impl Drop for Inflight {
+impl Drop for Inflight<'_> {
     fn drop(&mut self) {
         self.0.dec();
     }
@@ -155,7 +153,7 @@ pub(super) async fn attempt(
     conn: &mut ClientConn,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
-    ctx: &mut RequestCtx,
+    ctx: &mut RequestCtx<'_>,
 ) -> AttemptEnd {
     match phases(conn, watch, call, ctx).await {
         Ok(end) | Err(end) => end,
@@ -166,7 +164,7 @@ async fn phases(
     conn: &mut ClientConn,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
-    ctx: &mut RequestCtx,
+    ctx: &mut RequestCtx<'_>,
 ) -> Result<AttemptEnd, AttemptEnd> {
     let (mut up, peer, reused) = connect(conn, watch, call).await?;
     let sent_at = monotonic();
@@ -433,7 +431,7 @@ async fn first_chunk(
 /// with the first body bytes.
 fn commit(
     conn: &mut ClientConn,
-    ctx: &mut RequestCtx,
+    ctx: &mut RequestCtx<'_>,
     mut c: Committed,
     now: Instant,
 ) -> AttemptEnd {

@@ -12,7 +12,6 @@ use crate::engine::{Engine, Pick, Snapshot};
 use crate::http1::RequestHead;
 use crate::policy::lease::Lease;
 use serde_json::{json, Value};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Everything one request's dispatch needs, pinned at admission. It owns the client's
@@ -34,12 +33,13 @@ pub struct Request<'a> {
 }
 
 /// Per-request state, created once the request header is read and finished by
-/// `finish::record`.
-pub struct RequestCtx {
+/// `finish::record`. It borrows the request's snapshot (held by the connection's loop
+/// for the request's life: one reference count taken per request, not one per phase).
+pub struct RequestCtx<'s> {
     pub started: Instant,
     pub route: Option<Route>,
     /// The configuration the request is served under, once it has one.
-    pub snap: Option<Arc<Snapshot>>,
+    pub snap: Option<&'s Snapshot>,
     /// The configured model the client asked for (an index into `snap`).
     pub model: Option<usize>,
     /// The client's own model id, when a pattern model passes it upstream.
@@ -57,7 +57,7 @@ pub struct RequestCtx {
     pub active: Option<crate::server::lifecycle::Active>,
 }
 
-impl RequestCtx {
+impl RequestCtx<'_> {
     pub fn new(started: Instant) -> Self {
         RequestCtx {
             started,
@@ -86,7 +86,7 @@ impl RequestCtx {
 
     /// (provider, connection, upstream model) of the last attempt.
     pub fn names(&self) -> Option<(&str, &str, &str)> {
-        let ((model, pick), snap) = (self.pick?, self.snap.as_deref()?);
+        let ((model, pick), snap) = (self.pick?, self.snap?);
         let p = &snap.config.providers[pick.provider];
         let asked = self.asked.as_deref().unwrap_or(self.model_label());
         Some((

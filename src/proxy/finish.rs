@@ -20,7 +20,7 @@ pub fn record(
     head: &RequestHead,
     bytes_out: u64,
     e: Option<&Stop>,
-    ctx: &RequestCtx,
+    ctx: &RequestCtx<'_>,
 ) {
     let m = &engine.metrics;
     let route = ctx.route.map(Route::label).unwrap_or("unmatched");

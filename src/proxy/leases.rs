@@ -69,7 +69,7 @@ fn lease_error(e: LeaseError, now: u64) -> ClientError {
 
 async fn answer(
     conn: &mut ClientConn,
-    ctx: &mut RequestCtx,
+    ctx: &mut RequestCtx<'_>,
     result: Result<serde_json::Value, ClientError>,
 ) -> super::Answered {
     match result {
@@ -92,7 +92,7 @@ pub async fn handle(
     snap: &Snapshot,
     conn: &mut ClientConn,
     client: Option<&Client>,
-    ctx: &mut RequestCtx,
+    ctx: &mut RequestCtx<'_>,
 ) -> super::Answered {
     let result = run(engine, snap, conn, client).await;
     answer(conn, ctx, result).await

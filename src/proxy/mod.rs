@@ -36,7 +36,7 @@ pub mod watch;
 use crate::clock::monotonic;
 use crate::codes::ErrorCode;
 use crate::config::Family;
-use crate::engine::Engine;
+use crate::engine::{Engine, Snapshot};
 use crate::error::ClientError;
 use crate::http1::RequestHead;
 use crate::server::conn::{ClientConn, Incoming};
@@ -90,20 +90,20 @@ impl Gateway {
     }
 
     /// Answers one request completely: a response written, or a [`Stop`].
-    async fn answer(
+    async fn answer<'s>(
         &self,
         conn: &mut ClientConn,
         head: &RequestHead,
-        ctx: &mut RequestCtx,
+        snap: &'s Snapshot,
+        ctx: &mut RequestCtx<'s>,
     ) -> Answered {
         let Some(route) = Route::from_request(head.method(), head.path()) else {
             return self.no_route(conn, ctx, head.method(), head.path()).await;
         };
         ctx.route = Some(route);
         let family = route.family();
-        let snap = self.engine.snapshot();
-        ctx.snap = Some(snap.clone());
-        let client = match admit::client(&snap, head) {
+        ctx.snap = Some(snap);
+        let client = match admit::client(snap, head) {
             Ok(c) => c,
             Err(e) => return self.reject(conn, ctx, family, e).await,
         };
@@ -111,11 +111,11 @@ impl Gateway {
         match route {
             Route::Models => return self.models(conn, ctx).await,
             Route::SessionLeases => {
-                return leases::handle(&self.engine, &snap, conn, client, ctx).await
+                return leases::handle(&self.engine, snap, conn, client, ctx).await
             }
             _ => {}
         }
-        let a = match admit::admit(&self.engine, &snap, conn, head, family, client).await {
+        let a = match admit::admit(&self.engine, snap, conn, head, family, client).await {
             Ok(a) => a,
             Err(e) => return self.reject(conn, ctx, family, e).await,
         };
@@ -127,7 +127,7 @@ impl Gateway {
         // select → connect → response → stream, per attempt
         let request = Request {
             engine: &self.engine,
-            snap: &snap,
+            snap,
             model: a.model,
             route,
             family,
@@ -143,7 +143,7 @@ impl Gateway {
     async fn reject(
         &self,
         conn: &mut ClientConn,
-        ctx: &mut RequestCtx,
+        ctx: &mut RequestCtx<'_>,
         family: Family,
         e: ClientError,
     ) -> Answered {
@@ -156,7 +156,7 @@ impl Gateway {
     async fn no_route(
         &self,
         conn: &mut ClientConn,
-        ctx: &mut RequestCtx,
+        ctx: &mut RequestCtx<'_>,
         method: &str,
         path: &str,
     ) -> Answered {
@@ -178,7 +178,7 @@ impl Gateway {
         respond::write_error(conn, route.family(), &e, allow).await
     }
 
-    async fn models(&self, conn: &mut ClientConn, ctx: &mut RequestCtx) -> Answered {
+    async fn models(&self, conn: &mut ClientConn, ctx: &mut RequestCtx<'_>) -> Answered {
         let snap = self.engine.snapshot();
         let data: Vec<_> = snap
             .config
@@ -197,10 +197,11 @@ impl Gateway {
     async fn serve_conn(&self, mut conn: ClientConn, arriving: Active) {
         let mut arriving = Some(arriving);
         while let Incoming::Request(head) = conn.next_request().await {
+            let snap = self.engine.snapshot();
             let mut ctx = RequestCtx::new(monotonic());
             ctx.active = Some(self.engine.lifecycle.enter());
             drop(arriving.take());
-            let stop = self.answer(&mut conn, &head, &mut ctx).await.err();
+            let stop = self.answer(&mut conn, &head, &snap, &mut ctx).await.err();
             match &stop {
                 // Deliberate: the access line records it.
                 Some(Stop::Cut) | None => {}

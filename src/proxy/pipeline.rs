@@ -35,7 +35,11 @@ use std::time::{Duration, Instant};
 /// Runs the request's attempts until one commits or the machine answers; leaves a
 /// complete response on `session`, or returns `Err` when the client connection must be
 /// cut (a committed body that failed).
-pub async fn run(conn: &mut ClientConn, req: Request<'_>, ctx: &mut RequestCtx) -> super::Answered {
+pub async fn run(
+    conn: &mut ClientConn,
+    req: Request<'_>,
+    ctx: &mut RequestCtx<'_>,
+) -> super::Answered {
     let now = req.engine.now();
     let exec = req.snap.config.resilience.queue.execution_timeout;
     let mut fsm = Failover::new(limits(&req, now, exec));
@@ -186,7 +190,7 @@ impl Driver<'_> {
         conn: &mut ClientConn,
         fsm: &mut Failover,
         pick: Pick,
-        ctx: &mut RequestCtx,
+        ctx: &mut RequestCtx<'_>,
     ) -> Step {
         let Some(slot) = self.slot.take().filter(|s| s.pick == pick) else {
             // A pick always comes with its permits; without them, select again.
@@ -241,7 +245,7 @@ impl Driver<'_> {
         pick: Pick,
         picked_at: Millis,
         probe: &mut bool,
-        ctx: &mut RequestCtx,
+        ctx: &mut RequestCtx<'_>,
     ) -> (AttemptEnd, Millis) {
         let engine = self.req.engine;
         let mut rounds = Rounds::default();
@@ -389,7 +393,7 @@ impl Driver<'_> {
         &mut self,
         conn: &mut ClientConn,
         answer: Answer,
-        ctx: &mut RequestCtx,
+        ctx: &mut RequestCtx<'_>,
     ) -> super::Answered {
         self.release_slot();
         match answer {
@@ -423,7 +427,7 @@ impl Driver<'_> {
         &self,
         conn: &mut ClientConn,
         r: &Refusal,
-        ctx: &mut RequestCtx,
+        ctx: &mut RequestCtx<'_>,
     ) -> super::Answered {
         let engine = self.req.engine;
         let now = engine.now();
@@ -529,7 +533,7 @@ fn stream_ended(
     engine: &crate::engine::Engine,
     info: &AttemptInfo<'_>,
     end: StreamEnd,
-    ctx: &mut RequestCtx,
+    ctx: &mut RequestCtx<'_>,
 ) -> super::Answered {
     let StreamEnd::Aborted { reason, cut } = end else {
         return Ok(());

@@ -14,6 +14,11 @@
 //! expired ones are dropped whenever their peer's list is touched, and a sweeper task
 //! (started by the first release) closes expired and upstream-closed ones everywhere
 //! every 10 s.
+//!
+//! A client worker only ever uses the connections it opened (`proxy::transport`), so
+//! the idle lists are kept per worker, each behind its own lock on its own cache line:
+//! the workers never write a line they share to take or return a connection. The
+//! `keepalive_pool_size` cap holds per worker.
 
 use super::h1::H1;
 use super::upconn::UpConn;
@@ -24,6 +29,13 @@ use pingora::upstreams::peer::{HttpPeer, Peer};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// Shards of the idle lists: client workers beyond this share shards (by index).
+const SHARDS: usize = 16;
+
+/// One worker's idle lists, alone on its cache lines.
+#[repr(align(128))]
+struct Shard(Mutex<IdleSet>);
 
 /// Idle connections kept per peer.
 pub const IDLE_PER_PEER: usize = 128;
@@ -122,7 +134,7 @@ fn take_out(list: &mut Vec<Idle>, out: &mut Vec<Idle>, mut gone: impl FnMut(&mut
 
 /// Every `SWEEP_EVERY`, until the pool is dropped: closes what expired or what the
 /// upstream closed, on every peer, so a peer that went quiet keeps no socket.
-fn spawn_sweeper(idle: &Arc<Mutex<IdleSet>>) -> bool {
+fn spawn_sweeper(idle: &Arc<[Shard]>) -> bool {
     let Ok(rt) = tokio::runtime::Handle::try_current() else {
         return false;
     };
@@ -133,9 +145,11 @@ fn spawn_sweeper(idle: &Arc<Mutex<IdleSet>>) -> bool {
             let Some(idle) = idle.upgrade() else {
                 return;
             };
-            let mut closed = Vec::new();
-            lock(&idle).sweep(crate::clock::monotonic(), &mut closed);
-            drop(closed);
+            for shard in idle.iter() {
+                let mut closed = Vec::new();
+                lock(&shard.0).sweep(crate::clock::monotonic(), &mut closed);
+                drop(closed);
+            }
         }
     });
     true
@@ -147,7 +161,8 @@ fn spawn_sweeper(idle: &Arc<Mutex<IdleSet>>) -> bool {
 pub struct Upstreams {
     transport: TransportConnector,
     multiplexing: pingora::connectors::http::Connector,
-    idle: Arc<Mutex<IdleSet>>,
+    /// The idle lists, one shard per client worker (by `server::workers::current`).
+    idle: Arc<[Shard]>,
     /// The sweeper task runs (started with the first release, on its runtime).
     sweeping: AtomicBool,
 }
@@ -158,11 +173,15 @@ impl Upstreams {
         Self {
             multiplexing: pingora::connectors::http::Connector::new(Some(options.clone())),
             transport: TransportConnector::new(Some(options)),
-            idle: Arc::new(Mutex::new(IdleSet {
-                by_peer: HashMap::default(),
-                total: 0,
-                cap,
-            })),
+            idle: (0..SHARDS)
+                .map(|_| {
+                    Shard(Mutex::new(IdleSet {
+                        by_peer: HashMap::default(),
+                        total: 0,
+                        cap,
+                    }))
+                })
+                .collect(),
             sweeping: AtomicBool::new(false),
         }
     }
@@ -198,7 +217,7 @@ impl Upstreams {
     fn take(&self, key: u64, now: Instant) -> Option<H1> {
         let mut closed = Vec::new();
         let found = loop {
-            let Some(mut idle) = lock(&self.idle).take(key, now, &mut closed) else {
+            let Some(mut idle) = lock(self.shard()).take(key, now, &mut closed) else {
                 break None;
             };
             if !idle.expired(now) && idle.conn.still_open() {
@@ -226,7 +245,11 @@ impl Upstreams {
         let Some(conn) = h1.into_idle() else {
             return;
         };
-        if !self.sweeping.swap(true, Ordering::AcqRel) && !spawn_sweeper(&self.idle) {
+        // Read first: a swap per release would write a line every worker shares.
+        if !self.sweeping.load(Ordering::Acquire)
+            && !self.sweeping.swap(true, Ordering::AcqRel)
+            && !spawn_sweeper(&self.idle)
+        {
             self.sweeping.store(false, Ordering::Release);
         }
         let now = crate::clock::monotonic();
@@ -237,13 +260,19 @@ impl Upstreams {
             since: now,
             timeout: idle_timeout,
         };
-        lock(&self.idle).put(key, idle, &mut closed);
+        lock(self.shard()).put(key, idle, &mut closed);
         drop(closed);
+    }
+
+    /// The calling worker's idle lists (shard 0 off the client workers).
+    fn shard(&self) -> &Mutex<IdleSet> {
+        let i = crate::server::workers::current() as usize % SHARDS;
+        &self.idle[i].0
     }
 
     /// Idle connections kept now, over all peers.
     pub fn idle_count(&self) -> usize {
-        lock(&self.idle).total
+        self.idle.iter().map(|s| lock(&s.0).total).sum()
     }
 }
 
@@ -294,7 +323,7 @@ mod tests {
             timeout,
         };
         {
-            let mut set = lock(&pool.idle);
+            let mut set = lock(pool.shard());
             set.by_peer.insert(
                 7,
                 vec![
@@ -334,7 +363,7 @@ mod tests {
             timeout,
         };
         let long = Duration::from_secs(60);
-        let mut set = lock(&pool.idle);
+        let mut set = lock(pool.shard());
         set.by_peer.insert(1, vec![idle(expired, Duration::ZERO)]);
         set.by_peer
             .insert(2, vec![idle(closed, long), idle(good, long)]);

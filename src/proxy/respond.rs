@@ -110,7 +110,7 @@ pub async fn finish_error(
     conn: &mut ClientConn,
     family: Family,
     e: ClientError,
-    ctx: &mut RequestCtx,
+    ctx: &mut RequestCtx<'_>,
 ) -> super::Answered {
     ctx.status = e.status();
     ctx.note = Some(e.code.as_str());
@@ -121,7 +121,7 @@ pub async fn finish_error(
 pub fn refusal_error(
     req: &Request<'_>,
     r: &Refusal,
-    ctx: &RequestCtx,
+    ctx: &RequestCtx<'_>,
     now: crate::policy::Millis,
 ) -> ClientError {
     let model = &req.snap.config.models[req.model].name;
@@ -192,7 +192,7 @@ pub(super) async fn pass_through(
     conn: &mut ClientConn,
     err: HeldError,
     v: &Verdict,
-    ctx: &mut RequestCtx,
+    ctx: &mut RequestCtx<'_>,
 ) -> super::Answered {
     ctx.status = v.status;
     let mut h = conn.head(v.status);

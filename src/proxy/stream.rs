@@ -117,7 +117,9 @@ impl<'r, 'a> Pump<'r, 'a> {
         first: Bytes,
     ) -> StreamEnd {
         let stall = self.req.snap.config.resilience.stream.stall_timeout;
-        let mut stopping = self.req.engine.lifecycle.stopping();
+        // Subscribed at the first wait: a body already in hand ends without one (each
+        // subscription writes a count every thread shares).
+        let mut stopping = None;
         let mut next = Some(first);
         loop {
             if let Some(chunk) = next.take() {
@@ -126,11 +128,12 @@ impl<'r, 'a> Pump<'r, 'a> {
                 }
             }
             let until = (self.last_progress + stall).min(self.deadline);
+            let stopping = stopping.get_or_insert_with(|| self.req.engine.lifecycle.stopping());
             let read = async {
                 tokio::select! {
                     biased;
                     r = up.read_body() => Some(r),
-                    _ = until_set(&mut stopping) => None,
+                    _ = until_set(stopping) => None,
                 }
             };
             let got = match watch.race_until(conn, until, read).await {

@@ -29,7 +29,12 @@ impl LatencyWindow {
         if !ttfb_ms.is_finite() || ttfb_ms < 0.0 {
             return;
         }
-        self.samples.retain(|(at, _)| live(*at, now));
+        // Oldest first: the expired ones are at the front (after a clock step back, one
+        // may stay behind a newer sample until the window is full; `mean` and `count`
+        // skip it meanwhile).
+        while self.samples.front().is_some_and(|(at, _)| !live(*at, now)) {
+            self.samples.pop_front();
+        }
         while self.samples.len() >= LATENCY_SAMPLES {
             self.samples.pop_front();
         }
