@@ -133,6 +133,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         threads,
         pid_file: tmp.join(format!("floor-{pid}.pid")).display().to_string(),
         upgrade_sock: tmp.join(format!("floor-{pid}.sock")).display().to_string(),
+        // Gone at once on SIGTERM: a floor draining for Pingora's default minute would
+        // still hold its sockets (and a core's attention) in the next measurement.
+        grace_period_seconds: Some(0),
+        graceful_shutdown_timeout_seconds: Some(1),
         ..ServerConf::default()
     };
     let sock = listen(&listen_at)?;
