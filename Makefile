@@ -54,6 +54,13 @@ bench: build
 	./bench/streams.sh
 	$(CARGO) bench --bench selection
 
+## User-space instructions per request of the floor and Sluice, counted by callgrind
+## (needs valgrind): the steady measure of the request path's own work.
+.PHONY: bench-instructions
+bench-instructions: build
+	$(CARGO) build --release --example floor
+	./bench/instructions.sh
+
 ## The redis state backend against redb in one run (uncapped, and with a cluster-wide
 ## cap), needs redis-server (bench/RESULTS.md has the recorded runs).
 .PHONY: bench-shared

@@ -76,7 +76,7 @@ fn main() {
             };
             let run = |n: usize| {
                 for _ in 0..n {
-                    match e.select(&snap, 0, Family::OpenAi, &asker, None) {
+                    match e.select(&snap, 0, Family::OpenAi, &asker, None, e.now()) {
                         Selection::Picked { permit, .. } => drop(black_box(permit)),
                         _ => panic!("selection found nothing"),
                     }

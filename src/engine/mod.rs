@@ -512,20 +512,9 @@ impl Engine {
 
     /// Select phase for one attempt: evaluate, prefer the session's pinned connection,
     /// else let the strategy pick; then take the concurrency permit and the breaker
-    /// permit. Races (a permit or the probe taken meanwhile) re-run the pick.
+    /// permit, all at `now` (a clock reading the caller has just taken). Races (a permit or
+    /// the probe taken meanwhile) re-run the pick.
     pub fn select(
-        &self,
-        snap: &Snapshot,
-        model: usize,
-        family: Family,
-        asker: &Asker<'_>,
-        pin: Option<&str>,
-    ) -> Selection {
-        self.select_at(snap, model, family, asker, pin, self.now())
-    }
-
-    /// [`Engine::select`] at `now`, for a caller that has just read the clock.
-    pub fn select_at(
         &self,
         snap: &Snapshot,
         model: usize,
@@ -795,8 +784,8 @@ mod tests {
         };
         for _ in 0..500 {
             let (a, b) = std::thread::scope(|s| {
-                let a = s.spawn(|| e.select(&snap, 0, Family::OpenAi, &asker, None));
-                let b = s.spawn(|| e.select(&snap, 0, Family::OpenAi, &asker, None));
+                let a = s.spawn(|| e.select(&snap, 0, Family::OpenAi, &asker, None, e.now()));
+                let b = s.spawn(|| e.select(&snap, 0, Family::OpenAi, &asker, None, e.now()));
                 (a.join().unwrap(), b.join().unwrap())
             });
             let picked = [&a, &b]
@@ -892,9 +881,9 @@ mod tests {
             lease: None,
             tried: &tried,
         };
-        let first = e.select(&snap, 0, Family::OpenAi, &asker, None);
+        let first = e.select(&snap, 0, Family::OpenAi, &asker, None, e.now());
         assert!(matches!(first, Selection::Picked { .. }));
-        match e.select(&snap, 0, Family::OpenAi, &asker, None) {
+        match e.select(&snap, 0, Family::OpenAi, &asker, None, e.now()) {
             Selection::Full { full, excluded } => {
                 assert_eq!(full.len(), 1);
                 assert_eq!(excluded[0].reason, select::ExclusionReason::ConcurrencyFull);
@@ -903,7 +892,7 @@ mod tests {
         }
         drop(first);
         assert!(matches!(
-            e.select(&snap, 0, Family::OpenAi, &asker, None),
+            e.select(&snap, 0, Family::OpenAi, &asker, None, e.now()),
             Selection::Picked { .. }
         ));
     }

@@ -182,7 +182,7 @@ async fn phases(
             tracing::info!(provider = %p.id, connection = %p.connections[call.pick.connection].id,
                 "pooled upstream connection was closed; request resent on another connection");
             let got = async { Ok((call.req.engine.upstreams.fresh(&peer).await?, false)) };
-            up = session_of(watch.race_until(conn, call.deadline, got).await)?.0;
+            up = session_of(watch.race(conn, call.deadline, got).await)?.0;
             send(conn, watch, call, &mut up, (monotonic(), first_byte_by)).await?
         }
         other => other?,
@@ -216,7 +216,7 @@ async fn connect(
     let lookup = engine
         .resolver
         .resolve(&p.base_url.host, p.base_url.port, monotonic());
-    let addr = match watch.race_until(conn, call.deadline, lookup).await {
+    let addr = match watch.race(conn, call.deadline, lookup).await {
         Wait::Ready(Ok(a)) => a,
         Wait::Ready(Err(_)) => {
             return Err(broken(
@@ -234,7 +234,7 @@ async fn connect(
     peer.options.idle_timeout = Some(POOL_IDLE);
     transport::configure(&mut peer, p);
     let got = engine.upstreams.session(&peer);
-    let (up, reused) = session_of(watch.race_until(conn, call.deadline, got).await)?;
+    let (up, reused) = session_of(watch.race(conn, call.deadline, got).await)?;
     Ok((up, peer, reused))
 }
 
@@ -281,7 +281,7 @@ async fn send(
         up.send(head, body).await?;
         up.read_head(MAX_UPSTREAM_HEADER_BYTES).await
     };
-    let head = match watch.race_until(conn, first_byte_by, exchange).await {
+    let head = match watch.race(conn, first_byte_by, exchange).await {
         Wait::Ready(Ok(head)) => head,
         Wait::Ready(Err(e)) => {
             let at_once = written_at.elapsed() < STALE_WINDOW;
@@ -415,7 +415,7 @@ async fn first_chunk(
     if up.is_done() {
         return Ok(None);
     }
-    match watch.race_until(conn, first_byte_by, up.read_body()).await {
+    match watch.race(conn, first_byte_by, up.read_body()).await {
         Wait::Ready(Ok(c)) => Ok(c),
         Wait::Ready(Err(_)) => Err(broken(
             TransportKind::Reset,

@@ -142,7 +142,7 @@ impl Driver<'_> {
         let selection = {
             let asker = asker(r, fsm.tried());
             r.engine
-                .select_at(r.snap, r.model, r.family, &asker, pin.as_deref(), now)
+                .select(r.snap, r.model, r.family, &asker, pin.as_deref(), now)
         };
         match selection {
             Selection::Picked {

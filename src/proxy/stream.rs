@@ -136,7 +136,7 @@ impl<'r, 'a> Pump<'r, 'a> {
                     _ = until_set(stopping) => None,
                 }
             };
-            let got = match watch.race_until(conn, until, read).await {
+            let got = match watch.race(conn, until, read).await {
                 Wait::Ready(None) => return self.fail(conn, None, AbortReason::Shutdown).await,
                 Wait::Ready(Some(r)) => Wait::Ready(r),
                 Wait::TimedOut => Wait::TimedOut,

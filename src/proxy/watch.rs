@@ -13,10 +13,23 @@ use std::future::Future;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-/// A wait's time limit: a span from when it starts waiting, or a point in time.
-enum Limit {
+/// A wait's time limit: a span from when it starts waiting, or a point in time (whose
+/// wait reads no clock when the future is ready at once).
+pub enum Limit {
     For(Duration),
     Until(Instant),
+}
+
+impl From<Duration> for Limit {
+    fn from(d: Duration) -> Limit {
+        Limit::For(d)
+    }
+}
+
+impl From<Instant> for Limit {
+    fn from(t: Instant) -> Limit {
+        Limit::Until(t)
+    }
 }
 
 /// How a raced wait ended.
@@ -38,33 +51,15 @@ impl Default for ClientWatch {
 }
 
 impl ClientWatch {
-    /// Runs `fut` for at most `limit`, watching the client connection meanwhile.
-    pub fn race<'w, F: Future + 'w>(
-        &'w mut self,
-        conn: &'w mut ClientConn,
-        limit: Duration,
-        fut: F,
-    ) -> impl Future<Output = Wait<F::Output>> + 'w {
-        self.run(conn, Limit::For(limit), fut)
-    }
-
-    /// Runs `fut` until `until` at the latest, watching the client connection meanwhile.
-    /// The clock is not read when `fut` is ready at once.
-    pub fn race_until<'w, F: Future + 'w>(
-        &'w mut self,
-        conn: &'w mut ClientConn,
-        until: Instant,
-        fut: F,
-    ) -> impl Future<Output = Wait<F::Output>> + 'w {
-        self.run(conn, Limit::Until(until), fut)
-    }
-
-    async fn run<F: Future>(
+    /// Runs `fut` within `limit` (a span or a deadline), watching the client connection
+    /// meanwhile.
+    pub async fn race<F: Future>(
         &mut self,
         conn: &mut ClientConn,
-        limit: Limit,
+        limit: impl Into<Limit>,
         fut: F,
     ) -> Wait<F::Output> {
+        let limit = limit.into();
         tokio::pin!(fut);
         // Most waits of a request are ready at once (a cached address, a pooled
         // connection, a body already read): no timer and no client watch for those.

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# User-space instructions per proxied request, counted by valgrind's callgrind: the floor
+# (bench/floor.rs) and Sluice, on one mock, JSON (or SSE with BENCH_STREAM=1) at 4
+# connections. Unlike the timings of run.sh and ab.sh, the count hardly moves from run
+# to run or with what else the machine is doing, so it shows a change of a few percent
+# in the request path's own work; it does not see cache misses or lock contention.
+# Every thread of the gateway is counted (the access log's writer included); the warm-up
+# is not.
+#
+#   ./bench/instructions.sh                  # both, the build in target/release
+#   BENCH_WHICH=sluice BENCH_KEEP=/tmp/cg ./bench/instructions.sh
+#
+# BENCH_KEEP keeps the callgrind files (PREFIX-sluice.out, PREFIX-floor.out) for
+# `callgrind_annotate --inclusive=yes FILE`. Needs valgrind (apt-get install valgrind).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+command -v valgrind >/dev/null || { echo "bench: valgrind is required (apt-get install valgrind)" >&2; exit 2; }
+command -v wrk >/dev/null || { echo "bench: wrk is required (apt-get install wrk)" >&2; exit 2; }
+WHICH=${BENCH_WHICH:-"floor sluice"}
+STREAM=${BENCH_STREAM:-0}
+. bench/lib.sh
+start_mock --chunks 8 --chunk-interval 0ms
+KEEP=${BENCH_KEEP:-$WORK/cg}
+
+# wrap NAME BINARY -> a directory holding NAME, which runs BINARY under callgrind with
+# the instrumentation off until it is switched on
+wrap() {
+  mkdir -p "$WORK/wrap-$1"
+  printf '#!/bin/sh\nexec valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file=%s %s "$@"\n' \
+    "$KEEP-$1.out" "$(realpath "$2")" >"$WORK/wrap-$1/$1"
+  chmod +x "$WORK/wrap-$1/$1"
+  echo "$WORK/wrap-$1"
+}
+
+# count NAME ADDR PID -> "NAME requests Ir Ir/request"
+count() {
+  local out n
+  BENCH_STREAM=$STREAM wrk -t1 -c4 -d3s -s bench/post.lua "http://$2/v1/chat/completions" >/dev/null
+  callgrind_control -i on "$3" >/dev/null 2>&1
+  out=$(BENCH_STREAM=$STREAM wrk -t1 -c4 -d6s -s bench/post.lua "http://$2/v1/chat/completions")
+  callgrind_control -i off "$3" >/dev/null 2>&1
+  callgrind_control -d "$3" >/dev/null 2>&1
+  sleep 1
+  n=$(echo "$out" | awk '/requests in/ {print $1}')
+  # The dump on request is the first part (.1); the one at exit would hold nothing more.
+  callgrind_annotate "$KEEP-$1.out.1" 2>/dev/null | awk -v name="$1" -v n="$n" '
+    /PROGRAM TOTALS/ { gsub(",", "", $1); printf "| %s | %d | %d | %.0f |\n", name, n, $1, $1 / n }'
+}
+
+echo "user-space instructions per request ($(date -u +%Y-%m-%dT%H:%M:%SZ), mode $([ "$STREAM" = 1 ] && echo stream || echo json), 4 connections)"
+echo "| gateway | requests | instructions | per request |"
+echo "|---|---|---|---|"
+for w in $WHICH; do
+  case $w in
+    floor)
+      FLOOR_BIN=$(wrap floor "${FLOOR_BIN:-$BIN/examples/floor}")/floor start_floor
+      count floor "$FLOOR" "$FLOOR_PID" ;;
+    sluice)
+      BIN=$(wrap sluice "$BIN/sluice") start_sluice
+      count sluice "$SLUICE" "$SLUICE_PID" ;;
+  esac
+done
