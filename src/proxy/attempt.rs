@@ -201,7 +201,7 @@ async fn phases(
         latency: now.saturating_duration_since(sent_at),
         at: now,
     };
-    Ok(commit(conn, ctx, committed, now))
+    Ok(commit(conn, ctx, committed))
 }
 
 /// select → connect: DNS (cached, async) and a pooled or new upstream connection
@@ -427,14 +427,9 @@ async fn first_chunk(
     }
 }
 
-/// The commit point (at `now`): the response head is written for the client; it leaves
+/// The commit point (at `c.at`): the response head is written for the client; it leaves
 /// with the first body bytes.
-fn commit(
-    conn: &mut ClientConn,
-    ctx: &mut RequestCtx<'_>,
-    mut c: Committed,
-    now: Instant,
-) -> AttemptEnd {
+fn commit(conn: &mut ClientConn, ctx: &mut RequestCtx<'_>, mut c: Committed) -> AttemptEnd {
     c.is_sse = c
         .head
         .get("content-type")
@@ -452,6 +447,6 @@ fn commit(
         size => size,
     });
     ctx.status = c.head.status();
-    ctx.ttfb = Some(now.saturating_duration_since(ctx.started));
+    ctx.ttfb = Some(c.at.saturating_duration_since(ctx.started));
     AttemptEnd::Committed(Box::new(c))
 }

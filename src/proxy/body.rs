@@ -94,11 +94,8 @@ impl ParsedBody {
             return self.raw.clone();
         }
         // A name with nothing to escape (the usual one) is quoted as it is.
-        let plain = upstream_model
-            .bytes()
-            .all(|c| c >= 0x20 && c != b'"' && c != b'\\');
         let escaped;
-        let quoted: &[u8] = if plain {
+        let quoted: &[u8] = if super::bodyscan::plain(upstream_model.as_bytes()) {
             upstream_model.as_bytes()
         } else {
             escaped = serde_json::to_string(upstream_model).unwrap_or_else(|_| "\"\"".into());

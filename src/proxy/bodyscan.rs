@@ -77,6 +77,11 @@ const SPECIAL: [bool; 256] = {
     t
 };
 
+/// Whether `s` can stand between a JSON string's quotes as it is (nothing to escape).
+pub fn plain(s: &[u8]) -> bool {
+    !s.iter().any(|&c| SPECIAL[c as usize])
+}
+
 struct Scanner<'a> {
     b: &'a [u8],
     i: usize,

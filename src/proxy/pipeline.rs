@@ -51,13 +51,12 @@ pub async fn run(
         full: Vec::new(),
         held: None,
     };
-    let mut next = Next::Select;
     // The clock read above serves the first selection, which follows at once.
-    let mut fresh = Some(now);
+    let mut next = d.select(&mut fsm, now).await;
     loop {
         next = match next {
             Next::Select => {
-                let now = fresh.take().unwrap_or_else(|| d.req.engine.now());
+                let now = d.req.engine.now();
                 d.select(&mut fsm, now).await
             }
             Next::Attempt(pick) => match d.attempt(conn, &mut fsm, pick, ctx).await {
