@@ -15,12 +15,14 @@ use pingora::prelude::HttpPeer;
 use pingora::server::configuration::ServerConf;
 use pingora::server::Server;
 use sluice::config::types;
-use sluice::proxy::pool::Upstreams;
+use sluice::proxy::pool::{Dest, Upstreams};
 use sluice::proxy::upstream::{body_size, response_head, write_request_head, OutHead};
 use sluice::server::conn::{ClientConn, Incoming};
 use sluice::server::frontdoor::{file_limit, listen, ClientLimits, ConnApp, FrontDoor};
 use sluice::server::lifecycle::{Active, Lifecycle};
 use sluice::server::workers::{self, Joins};
+use std::borrow::Cow;
+use std::hash::BuildHasher;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -48,10 +50,11 @@ impl Floor {
         let Ok(body) = conn.read_body(MAX_BODY).await else {
             return false;
         };
-        let mut peer = HttpPeer::new(self.upstream, false, String::new());
-        peer.options.idle_timeout = Some(IDLE);
-        peer.group_key = workers::pool_salt();
-        let Ok((mut up, _)) = self.pool.session(&peer).await else {
+        let to = Fixed {
+            addr: self.upstream,
+            salt: workers::pool_salt(),
+        };
+        let Ok((mut up, _)) = self.pool.session(&to).await else {
             return false;
         };
         let out = OutHead {
@@ -98,8 +101,32 @@ impl Floor {
                 break;
             }
         }
-        self.pool.release(up, &peer, IDLE).await;
+        self.pool.release(up, &to, IDLE).await;
         true
+    }
+}
+
+/// The one upstream as the pool sees it from a client worker: its idle list keyed by
+/// the address and the worker, its peer made only for a new connection (as Sluice's).
+struct Fixed {
+    addr: SocketAddr,
+    salt: u64,
+}
+
+impl Dest for Fixed {
+    fn key(&self) -> u64 {
+        self.salt ^ foldhash::fast::FixedState::with_seed(0).hash_one(self.addr)
+    }
+
+    fn multiplexed(&self) -> bool {
+        false
+    }
+
+    fn peer(&self) -> Cow<'_, HttpPeer> {
+        let mut peer = HttpPeer::new(self.addr, false, String::new());
+        peer.options.idle_timeout = Some(IDLE);
+        peer.group_key = self.salt;
+        Cow::Owned(peer)
     }
 }
 

@@ -113,7 +113,7 @@ impl Strategy {
 }
 
 /// A parsed upstream base URL.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct BaseUrl {
     pub tls: bool,
     pub host: String,
@@ -122,6 +122,8 @@ pub struct BaseUrl {
     pub path_prefix: String,
     /// The `Host` value, made once (every request sends it).
     authority: String,
+    /// `host` when it is an address literal (it then needs no lookup), parsed once.
+    ip: Option<std::net::IpAddr>,
 }
 
 impl BaseUrl {
@@ -139,11 +141,17 @@ impl BaseUrl {
         };
         BaseUrl {
             tls,
+            ip: host.parse().ok(),
             host,
             port,
             path_prefix,
             authority,
         }
+    }
+
+    /// The host as an address, when it is one.
+    pub fn ip(&self) -> Option<std::net::IpAddr> {
+        self.ip
     }
 
     /// `host` or `host:port` when the port is not the scheme's default (for `Host`).
@@ -261,7 +269,7 @@ impl Subscription {
 }
 
 /// `providers[].http2`: HTTP/2 to the upstream.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Http2 {
     /// Offered by ALPN on TLS (HTTP/1.1 if the upstream declines); HTTP/1.1 in clear.
     #[default]
@@ -316,8 +324,9 @@ pub struct Provider {
     pub quota_family: Option<String>,
     pub http2: Http2,
     pub tls: UpstreamTls,
-    /// The upstream pool's group for this provider: its id and TLS files' fingerprint,
-    /// hashed once at load (see `proxy::transport::configure`).
+    /// The upstream pool's group for this provider: its id, TLS files' fingerprint (with
+    /// `verify`), base URL and HTTP/2 setting — what its peers are made of but the
+    /// address — hashed once at load (see `proxy::transport`).
     pub pool_key: u64,
     pub connections: Vec<Connection>,
 }

@@ -2,7 +2,10 @@
 //!
 //! A [`Head`] owns a copy of the header block (a few hundred bytes: copying it keeps the
 //! connection's read buffer free for the body and the next request) and the spans of its
-//! fields. Lookups compare names case-insensitively; nothing is hashed or re-cased.
+//! fields. Lookups compare names case-insensitively; nothing is re-cased. A head also
+//! keeps a 64-bit summary of its names (one bit per length and last letter), so a
+//! lookup of a name it does not hold — most of them: rate-limit and session fields a
+//! client or upstream did not send — answers without a scan.
 //! Request and response heads also carry what the framing fields mean for the body and
 //! for the connection, decided once at parse time.
 
@@ -32,6 +35,20 @@ impl Span {
     fn range(self) -> std::ops::Range<usize> {
         self.start as usize..self.end as usize
     }
+
+    fn len(self) -> usize {
+        (self.end - self.start) as usize
+    }
+}
+
+/// The bit of a field name in a head's name summary: from its length and last byte, in
+/// any case. Equal names (ignoring case) always have the same bit.
+fn name_bit(name: &[u8]) -> u64 {
+    let last = name.last().map_or(0, |b| b.to_ascii_lowercase());
+    1 << ((name.len() as u32)
+        .wrapping_mul(7)
+        .wrapping_add(u32::from(last))
+        & 63)
 }
 
 /// Why a head could not be taken.
@@ -75,6 +92,8 @@ pub enum BodyLen {
 pub struct Head {
     bytes: Bytes,
     fields: Vec<(Span, Span)>,
+    /// The union of the names' [`name_bit`]s.
+    names: u64,
 }
 
 impl Head {
@@ -87,9 +106,12 @@ impl Head {
 
     /// The first value of the field `name` (any case; `name` given in lower case).
     pub fn get(&self, name: &str) -> Option<&[u8]> {
-        self.fields()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
-            .map(|(_, v)| v)
+        let name = name.as_bytes();
+        if self.names & name_bit(name) == 0 {
+            return None;
+        }
+        let held = |(n, _): &&(Span, Span)| self.is(*n, name);
+        self.fields.iter().find(held).map(|(_, v)| self.span(*v))
     }
 
     /// The first value of `name` as text (`None` also when it is not UTF-8).
@@ -99,9 +121,13 @@ impl Head {
 
     /// Every value of the field `name`, in order.
     pub fn get_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
-        self.fields()
-            .filter(move |(n, _)| n.eq_ignore_ascii_case(name.as_bytes()))
-            .map(|(_, v)| v)
+        let name = name.as_bytes();
+        let held = self.names & name_bit(name) != 0;
+        let fields = if held { &self.fields[..] } else { &[] };
+        fields
+            .iter()
+            .filter(move |(n, _)| self.is(*n, name))
+            .map(|(_, v)| self.span(*v))
     }
 
     /// Whether any value of `name` lists `token` (comma-separated, any case).
@@ -138,11 +164,23 @@ impl Head {
     }
 
     fn new(bytes: Bytes, fields: Vec<(Span, Span)>) -> Head {
-        Head { bytes, fields }
+        let names = fields
+            .iter()
+            .fold(0, |m, (n, _)| m | name_bit(&bytes[n.range()]));
+        Head {
+            bytes,
+            fields,
+            names,
+        }
     }
 
     fn span(&self, s: Span) -> &[u8] {
         &self.bytes[s.range()]
+    }
+
+    /// Whether the name at `n` is `name` (any case), lengths compared first.
+    fn is(&self, n: Span, name: &[u8]) -> bool {
+        n.len() == name.len() && self.span(n).eq_ignore_ascii_case(name)
     }
 }
 
@@ -469,6 +507,50 @@ mod tests {
 
     fn ok_req(text: &str) -> RequestHead {
         req(text).unwrap().unwrap().0
+    }
+
+    #[test]
+    fn lookups_find_every_name_held_in_any_case_and_no_other() {
+        let names = [
+            "host",
+            "x-a",
+            "X-B",
+            "x-sluice-session",
+            "authorization",
+            "x-ratelimit-remaining-requests",
+            "anthropic-version",
+            "a",
+            "zz",
+        ];
+        let mut text = String::from("POST / HTTP/1.1\r\n");
+        for n in names {
+            text.push_str(&format!("{}: v-{}\r\n", n.to_ascii_uppercase(), n));
+        }
+        text.push_str("x-A: second\r\ncontent-LENGTH: 0\r\n\r\n");
+        let head = ok_req(&text);
+        for n in names {
+            let want = format!("v-{n}");
+            assert_eq!(
+                head.get(&n.to_ascii_lowercase()),
+                Some(want.as_bytes()),
+                "{n}"
+            );
+        }
+        let all: Vec<&[u8]> = head.get_all("x-a").collect();
+        assert_eq!(all, [&b"v-x-a"[..], b"second"]);
+        assert_eq!(head.get("content-length"), Some(&b"0"[..]));
+        // Absent names, some sharing a held name's length or last letter.
+        for n in [
+            "x-c",
+            "hosts",
+            "b",
+            "x-ratelimit-remaining-tokens",
+            "expect",
+            "zy",
+            "",
+        ] {
+            assert_eq!(head.get(n), None, "{n}");
+        }
     }
 
     #[test]

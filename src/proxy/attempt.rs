@@ -13,20 +13,21 @@
 //!   whole; any other end drops it.
 
 use super::ctx::{Request, RequestCtx};
-use super::transport::{self, Cause};
+use super::transport::{self, Cause, Upstream};
 use super::upconn::UpConn;
 use super::upstream;
 use super::watch::{ClientWatch, Wait};
 use crate::clock::monotonic;
+use crate::config::Provider;
 use crate::engine::Pick;
 use crate::http1::ResponseHead;
 use crate::policy::classify::TransportKind;
 use crate::policy::redact::Redactor;
 use crate::server::conn::{BodySize, ClientConn};
 use bytes::{Bytes, BytesMut};
-use pingora::prelude::HttpPeer;
 use pingora::RetryType;
 use std::borrow::Cow;
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 /// Upstream error bodies are read up to this size (SPEC §2, phase 4).
@@ -34,7 +35,7 @@ const ERROR_BODY_LIMIT: usize = 64 * 1024;
 /// An upstream response header larger than this is not passed on: the attempt is a
 /// transport failure (the client would otherwise get whatever the upstream sent).
 const MAX_UPSTREAM_HEADER_BYTES: usize = 64 * 1024;
-pub(super) const POOL_IDLE: Duration = Duration::from_secs(90);
+pub(super) use super::transport::POOL_IDLE;
 /// The upstream connection broke (write or read error) before a whole response header.
 const CONN_FAILED: &str = "upstream connection failed";
 /// The connection was closed or reset right after the request was written, before a
@@ -56,8 +57,7 @@ pub(super) struct HeldError {
 /// A response whose header went to the client: only its body is left to stream.
 pub(super) struct Committed {
     pub up: UpConn,
-    /// Boxed: a peer is ~670 bytes, and an attempt's futures move it several times.
-    pub peer: Box<HttpPeer>,
+    pub upstream: Upstream,
     pub head: ResponseHead,
     /// The first body chunk (`None`: the body was empty and is complete).
     pub first: Option<Bytes>,
@@ -166,7 +166,7 @@ async fn phases(
     call: &Call<'_, '_>,
     ctx: &mut RequestCtx<'_>,
 ) -> Result<AttemptEnd, AttemptEnd> {
-    let (mut up, peer, reused) = connect(conn, watch, call).await?;
+    let (mut up, upstream, reused) = connect(conn, watch, call).await?;
     let sent_at = monotonic();
     let ttft = call.req.snap.config.resilience.stream.ttft_timeout;
     let first_byte_by = (sent_at + ttft).min(call.deadline);
@@ -181,6 +181,7 @@ async fn phases(
             let p = &call.req.snap.config.providers[call.pick.provider];
             tracing::info!(provider = %p.id, connection = %p.connections[call.pick.connection].id,
                 "pooled upstream connection was closed; request resent on another connection");
+            let peer = transport::peer(p, upstream.addr, POOL_IDLE);
             let got = async { Ok((call.req.engine.upstreams.fresh(&peer).await?, false)) };
             up = session_of(watch.race(conn, call.deadline, got).await)?.0;
             send(conn, watch, call, &mut up, (monotonic(), first_byte_by)).await?
@@ -188,13 +189,13 @@ async fn phases(
         other => other?,
     };
     if head.status() >= 400 {
-        return Ok(hold_error(conn, watch, call, up, peer, head).await);
+        return Ok(hold_error(conn, watch, call, up, upstream, head).await);
     }
     let first = first_chunk(conn, watch, call, &mut up, first_byte_by).await?;
     let now = monotonic();
     let committed = Committed {
         up,
-        peer,
+        upstream,
         head,
         first,
         is_sse: false,
@@ -204,38 +205,48 @@ async fn phases(
     Ok(commit(conn, ctx, committed))
 }
 
-/// select → connect: DNS (cached, async) and a pooled or new upstream connection
-/// (`true` when it came from the pool).
+/// select → connect: DNS (cached, async; none for an address literal) and a pooled or
+/// new upstream connection (`true` when it came from the pool).
 async fn connect(
     conn: &mut ClientConn,
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
-) -> Result<(UpConn, Box<HttpPeer>, bool), AttemptEnd> {
+) -> Result<(UpConn, Upstream, bool), AttemptEnd> {
     let engine = call.req.engine;
     let p = &call.req.snap.config.providers[call.pick.provider];
-    let lookup = engine
+    let addr = match p.base_url.ip() {
+        Some(ip) => SocketAddr::new(ip, p.base_url.port),
+        None => resolve(conn, watch, call, p).await?,
+    };
+    let upstream = Upstream::new(call.pick.provider, p, addr);
+    let to = upstream.of(p);
+    let got = engine.upstreams.session(&to);
+    let (up, reused) = session_of(watch.race(conn, call.deadline, got).await)?;
+    Ok((up, upstream, reused))
+}
+
+/// The address of a provider named by host name.
+async fn resolve(
+    conn: &mut ClientConn,
+    watch: &mut ClientWatch,
+    call: &Call<'_, '_>,
+    p: &Provider,
+) -> Result<SocketAddr, AttemptEnd> {
+    let lookup = call
+        .req
+        .engine
         .resolver
         .resolve(&p.base_url.host, p.base_url.port, monotonic());
-    let addr = match watch.race(conn, call.deadline, lookup).await {
-        Wait::Ready(Ok(a)) => a,
-        Wait::Ready(Err(_)) => {
-            return Err(broken(
-                TransportKind::Connect,
-                Cause::Dns,
-                "dns lookup failed",
-            ))
-        }
-        Wait::TimedOut => return Err(AttemptEnd::Deadline),
-        Wait::ClientGone => return Err(AttemptEnd::ClientGone),
-    };
-    let mut peer = Box::new(HttpPeer::new(addr, p.base_url.tls, p.base_url.host.clone()));
-    peer.options.connection_timeout = Some(p.connect_timeout);
-    peer.options.total_connection_timeout = Some(p.connect_timeout * 2);
-    peer.options.idle_timeout = Some(POOL_IDLE);
-    transport::configure(&mut peer, p);
-    let got = engine.upstreams.session(&peer);
-    let (up, reused) = session_of(watch.race(conn, call.deadline, got).await)?;
-    Ok((up, peer, reused))
+    match watch.race(conn, call.deadline, lookup).await {
+        Wait::Ready(Ok(a)) => Ok(a),
+        Wait::Ready(Err(_)) => Err(broken(
+            TransportKind::Connect,
+            Cause::Dns,
+            "dns lookup failed",
+        )),
+        Wait::TimedOut => Err(AttemptEnd::Deadline),
+        Wait::ClientGone => Err(AttemptEnd::ClientGone),
+    }
 }
 
 fn session_of(w: Wait<pingora::Result<(UpConn, bool)>>) -> Result<(UpConn, bool), AttemptEnd> {
@@ -324,7 +335,7 @@ async fn hold_error(
     watch: &mut ClientWatch,
     call: &Call<'_, '_>,
     mut up: UpConn,
-    peer: Box<HttpPeer>,
+    upstream: Upstream,
     head: ResponseHead,
 ) -> AttemptEnd {
     let mut buf = BytesMut::new();
@@ -344,10 +355,11 @@ async fn hold_error(
     }
     let (headers, body) = redacted(&call.req.snap.redactor, head.to_header_map(), &buf);
     if complete {
+        let p = &call.req.snap.config.providers[upstream.provider];
         call.req
             .engine
             .upstreams
-            .release(up, &peer, POOL_IDLE)
+            .release(up, &upstream.of(p), POOL_IDLE)
             .await;
     }
     AttemptEnd::Refused(Box::new(HeldError {

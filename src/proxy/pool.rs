@@ -15,6 +15,11 @@
 //! (started by the first release) closes expired and upstream-closed ones everywhere
 //! every 10 s.
 //!
+//! An upstream is named to the pool by a [`Dest`]: the key of its idle list and how to
+//! make the Pingora peer a new connection needs. Sluice's (`proxy::transport::Upstream`)
+//! computes the key from what the peer would be made of and builds the peer only when a
+//! connection is opened, so a request on a pooled connection builds none.
+//!
 //! A client worker only ever uses the connections it opened (`proxy::transport`), so
 //! the idle lists are kept per worker, each behind its own lock on its own cache line:
 //! the workers never write a line they share to take or return a connection. The
@@ -26,6 +31,7 @@ use crate::engine::state::lock;
 use foldhash::HashMap;
 use pingora::connectors::{ConnectorOptions, TransportConnector};
 use pingora::upstreams::peer::{HttpPeer, Peer};
+use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -57,7 +63,37 @@ impl Idle {
     }
 }
 
-/// The idle connections, by `HttpPeer::reuse_hash`, each list oldest first.
+/// An upstream as the pool sees it.
+///
+/// Two destinations may share a key only when their peers would be the same (address,
+/// TLS settings and files, SNI, HTTP versions) and they belong to the same client worker:
+/// a connection taken from a list is used as if it had been made for the asker.
+pub trait Dest {
+    /// The key of this upstream's idle HTTP/1.1 connections.
+    fn key(&self) -> u64;
+    /// Whether it may speak HTTP/2 (Pingora's connector then keeps its connections).
+    fn multiplexed(&self) -> bool;
+    /// The peer a new connection, or an HTTP/2 session, is made to.
+    fn peer(&self) -> Cow<'_, HttpPeer>;
+}
+
+/// A peer names itself: Pingora's reuse hash (which covers its group key, and with it
+/// the client worker) is the key.
+impl Dest for HttpPeer {
+    fn key(&self) -> u64 {
+        self.reuse_hash()
+    }
+
+    fn multiplexed(&self) -> bool {
+        super::transport::multiplexed(self)
+    }
+
+    fn peer(&self) -> Cow<'_, HttpPeer> {
+        Cow::Borrowed(self)
+    }
+}
+
+/// The idle connections, by [`Dest::key`], each list oldest first.
 struct IdleSet {
     by_peer: HashMap<u64, Vec<Idle>>,
     total: usize,
@@ -186,17 +222,18 @@ impl Upstreams {
         }
     }
 
-    /// An HTTP/1.1 session to `peer`: an idle connection if one is still good (`true`),
+    /// An HTTP/1.1 session to `to`: an idle connection if one is still good (`true`),
     /// else a new one.
-    pub async fn session(&self, peer: &HttpPeer) -> pingora::Result<(UpConn, bool)> {
-        if super::transport::multiplexed(peer) {
-            let (s, reused) = Box::pin(self.multiplexing.get_http_session(peer)).await?;
+    pub async fn session(&self, to: &impl Dest) -> pingora::Result<(UpConn, bool)> {
+        if to.multiplexed() {
+            let peer = to.peer();
+            let (s, reused) = Box::pin(self.multiplexing.get_http_session(&*peer)).await?;
             return Ok((UpConn::H2(Box::new(s)), reused));
         }
-        if let Some(conn) = self.take(pool_key(peer), crate::clock::monotonic()) {
+        if let Some(conn) = self.take(to.key(), crate::clock::monotonic()) {
             return Ok((UpConn::H1(conn), true));
         }
-        Ok((self.fresh(peer).await?, false))
+        Ok((self.fresh(&to.peer()).await?, false))
     }
 
     /// A session on a new connection (the retry after a pooled one turned out closed:
@@ -232,11 +269,11 @@ impl Upstreams {
 
     /// Returns a session whose exchange ended: kept when the response was read to its
     /// end and both sides allow keep-alive, closed otherwise.
-    pub async fn release(&self, session: UpConn, peer: &HttpPeer, idle_timeout: Duration) {
+    pub async fn release(&self, session: UpConn, to: &impl Dest, idle_timeout: Duration) {
         let h1 = match session {
             UpConn::H2(h2) => {
                 self.multiplexing
-                    .release_http_session(*h2, peer, Some(idle_timeout))
+                    .release_http_session(*h2, &*to.peer(), Some(idle_timeout))
                     .await;
                 return;
             }
@@ -253,7 +290,7 @@ impl Upstreams {
             self.sweeping.store(false, Ordering::Release);
         }
         let now = crate::clock::monotonic();
-        let key = pool_key(peer);
+        let key = to.key();
         let mut closed = Vec::new();
         let idle = Idle {
             conn,
@@ -274,12 +311,6 @@ impl Upstreams {
     pub fn idle_count(&self) -> usize {
         self.idle.iter().map(|s| lock(&s.0).total).sum()
     }
-}
-
-/// The idle list of `peer`: Pingora's reuse hash, which covers the peer's group key and
-/// with it the client worker (`proxy::transport::group_key`).
-fn pool_key(peer: &HttpPeer) -> u64 {
-    peer.reuse_hash()
 }
 
 #[cfg(test)]

@@ -58,7 +58,7 @@ pub(super) async fn stream(
 ) -> StreamEnd {
     let Committed {
         mut up,
-        peer,
+        upstream,
         first,
         is_sse,
         head,
@@ -67,9 +67,10 @@ pub(super) async fn stream(
     } = c;
     // Written already: not held for the stream's life.
     drop(head);
+    let to = upstream.of(&req.snap.config.providers[upstream.provider]);
     let Some(first) = first else {
         // Empty body: the head alone is the response.
-        req.engine.upstreams.release(up, &peer, POOL_IDLE).await;
+        req.engine.upstreams.release(up, &to, POOL_IDLE).await;
         return match conn.write_body(&[], true).await {
             Ok(()) => StreamEnd::Complete,
             Err(_) => cut(AbortReason::ClientGone),
@@ -78,7 +79,7 @@ pub(super) async fn stream(
     let mut pump = Pump::new(req, is_sse, deadline, at);
     let end = pump.run(conn, watch, &mut up, first).await;
     match end {
-        StreamEnd::Complete => req.engine.upstreams.release(up, &peer, POOL_IDLE).await,
+        StreamEnd::Complete => req.engine.upstreams.release(up, &to, POOL_IDLE).await,
         StreamEnd::Aborted { .. } => up.shutdown().await,
     }
     end

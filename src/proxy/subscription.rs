@@ -356,7 +356,7 @@ impl OAuth<'_, '_, '_> {
             if complete {
                 engine
                     .upstreams
-                    .release(up, &peer, super::attempt::POOL_IDLE)
+                    .release(up, &peer, super::transport::POOL_IDLE)
                     .await;
             }
             Ok((status, buf.freeze()))
@@ -377,7 +377,7 @@ fn oauth_peer(addr: std::net::SocketAddr, base: &BaseUrl, p: &Provider) -> HttpP
     let mut peer = HttpPeer::new(addr, base.tls, base.host.clone());
     peer.options.connection_timeout = Some(p.connect_timeout);
     peer.options.total_connection_timeout = Some(p.connect_timeout * 2);
-    peer.options.idle_timeout = Some(super::attempt::POOL_IDLE);
+    peer.options.idle_timeout = Some(super::transport::POOL_IDLE);
     peer.group_key = super::transport::group_key(p);
     peer.options.set_http_version(1, 1);
     if base.tls {

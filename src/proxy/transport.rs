@@ -8,9 +8,14 @@
 //! few stable words (metric labels, `diagnostics.attempts[].reason`), and its detail is
 //! Pingora's error text, bounded and never holding request bytes.
 
+use super::pool::Dest;
 use crate::config::{Http2, Provider};
 use pingora::upstreams::peer::HttpPeer;
 use pingora::ErrorType;
+use std::borrow::Cow;
+use std::hash::BuildHasher;
+use std::net::SocketAddr;
+use std::time::Duration;
 
 /// How often an HTTP/2 connection is pinged (a dead one is closed, not waited on).
 pub const H2_PING: std::time::Duration = std::time::Duration::from_secs(30);
@@ -32,16 +37,22 @@ pub fn group_key(p: &Provider) -> u64 {
     p.pool_key ^ crate::server::workers::pool_salt()
 }
 
+/// The (highest, lowest) HTTP versions a peer of `p` speaks.
+fn http_versions(p: &Provider) -> (u8, u8) {
+    match (p.http2, p.base_url.tls) {
+        (Http2::Off, _) | (Http2::Auto, false) => (1, 1),
+        (Http2::Auto, true) => (2, 1),
+        // Over TLS by ALPN, in clear with prior knowledge (h2c).
+        (Http2::On, _) => (2, 2),
+    }
+}
+
 /// Applies the provider's TLS and HTTP version settings to `peer`.
 pub fn configure(peer: &mut HttpPeer, p: &Provider) {
     peer.group_key = group_key(p);
     let o = &mut peer.options;
-    match (p.http2, p.base_url.tls) {
-        (Http2::Off, _) | (Http2::Auto, false) => o.set_http_version(1, 1),
-        (Http2::Auto, true) => o.set_http_version(2, 1),
-        // Over TLS by ALPN, in clear with prior knowledge (h2c).
-        (Http2::On, _) => o.set_http_version(2, 2),
-    }
+    let (max, min) = http_versions(p);
+    o.set_http_version(max, min);
     if o.alpn.get_max_http_version() == 2 {
         o.max_h2_streams = H2_STREAMS;
         // A multiplexed connection that died silently would fail every stream on it by
@@ -60,6 +71,76 @@ pub fn configure(peer: &mut HttpPeer, p: &Provider) {
 /// connector rather than Sluice's HTTP/1.1 pool).
 pub fn multiplexed(peer: &HttpPeer) -> bool {
     peer.options.alpn.get_max_http_version() == 2
+}
+
+/// One provider's upstream at one resolved address, as an attempt keeps it: the key of
+/// its idle connections is computed once, and the Pingora peer (~670 bytes, a few
+/// hundred instructions to make and drop) is built only when a connection is opened.
+#[derive(Clone, Copy, Debug)]
+pub struct Upstream {
+    /// Index into `Config::providers`.
+    pub provider: usize,
+    pub addr: SocketAddr,
+    key: u64,
+    multiplexed: bool,
+}
+
+impl Upstream {
+    /// `p` (at index `provider`) at `addr`, for the calling client worker. The key
+    /// mixes the provider's pool key — its id, TLS files and settings, host and HTTP
+    /// versions: everything else its peers are made of — with the address and the
+    /// worker's salt, so two upstreams share a list only when their peers would match.
+    pub fn new(provider: usize, p: &Provider, addr: SocketAddr) -> Upstream {
+        let key = foldhash::fast::FixedState::with_seed(0).hash_one((
+            p.pool_key,
+            addr,
+            crate::server::workers::pool_salt(),
+        ));
+        Upstream {
+            provider,
+            addr,
+            key,
+            multiplexed: http_versions(p).0 == 2,
+        }
+    }
+
+    /// As the pool sees it; `p` is the provider it was made for.
+    pub fn of<'a>(&'a self, p: &'a Provider) -> UpstreamOf<'a> {
+        UpstreamOf { up: self, p }
+    }
+}
+
+/// An [`Upstream`] with its provider: a [`Dest`] of the pool.
+pub struct UpstreamOf<'a> {
+    up: &'a Upstream,
+    p: &'a Provider,
+}
+
+impl Dest for UpstreamOf<'_> {
+    fn key(&self) -> u64 {
+        self.up.key
+    }
+
+    fn multiplexed(&self) -> bool {
+        self.up.multiplexed
+    }
+
+    fn peer(&self) -> Cow<'_, HttpPeer> {
+        Cow::Owned(peer(self.p, self.up.addr, POOL_IDLE))
+    }
+}
+
+/// How long an idle upstream connection is kept.
+pub const POOL_IDLE: Duration = Duration::from_secs(90);
+
+/// A peer of `p` at `addr`: its connect timeouts, idle timeout, TLS and HTTP versions.
+pub fn peer(p: &Provider, addr: SocketAddr, idle: Duration) -> HttpPeer {
+    let mut peer = HttpPeer::new(addr, p.base_url.tls, p.base_url.host.clone());
+    peer.options.connection_timeout = Some(p.connect_timeout);
+    peer.options.total_connection_timeout = Some(p.connect_timeout * 2);
+    peer.options.idle_timeout = Some(idle);
+    configure(&mut peer, p);
+    peer
 }
 
 /// What kind of transport failure ended an attempt.

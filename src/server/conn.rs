@@ -273,8 +273,7 @@ impl ClientConn {
     fn parse_head(&mut self) -> Result<Option<(RequestHead, usize)>, crate::http1::HeadError> {
         const EARLY: usize = 1024;
         let from = self.scanned.saturating_sub(2);
-        let ended = memchr::memmem::find(&self.buf[from..], b"\n\r\n").is_some()
-            || memchr::memmem::find(&self.buf[from..], b"\n\n").is_some();
+        let ended = has_blank_line(&self.buf[from..]);
         self.scanned = self.buf.len();
         if !ended && self.buf.len() > EARLY && self.buf.len() < MAX_HEADER_BYTES {
             return Ok(None);
@@ -669,6 +668,16 @@ fn first_line(b: &[u8]) -> &[u8] {
     &b[..end]
 }
 
+/// Whether `buf` holds the end of a head: a line feed followed by an empty line (`\n\n`
+/// or `\n\r\n`). A search per line feed, without building a substring searcher.
+fn has_blank_line(buf: &[u8]) -> bool {
+    memchr::memchr_iter(b'\n', buf).any(|i| match buf.get(i + 1) {
+        Some(b'\n') => true,
+        Some(b'\r') => buf.get(i + 2) == Some(&b'\n'),
+        _ => false,
+    })
+}
+
 /// The family whose error shape a refused request gets: Anthropic's for its route.
 fn family_of(line: &[u8]) -> Family {
     if memchr::memmem::find(line, b"/v1/messages").is_some() {
@@ -696,6 +705,17 @@ mod tests {
     use super::*;
     use crate::test_net::{loopback, nothing_to_read};
     use tokio::io::AsyncReadExt;
+
+    #[test]
+    fn a_blank_line_ends_a_head_in_either_line_ending() {
+        assert!(has_blank_line(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"));
+        assert!(has_blank_line(b"GET / HTTP/1.1\nHost: a\n\n"));
+        assert!(has_blank_line(b"\n\r\n"));
+        assert!(!has_blank_line(b"GET / HTTP/1.1\r\nHost: a\r\n"));
+        assert!(!has_blank_line(b"GET / HTTP/1.1\r\nHost: a\r\n\r"));
+        assert!(!has_blank_line(b"a\n\rb\n"));
+        assert!(!has_blank_line(b""));
+    }
 
     fn limits() -> ClientLimits {
         ClientLimits {

@@ -535,6 +535,8 @@ impl Validator<'_> {
                 let mut h = std::collections::hash_map::DefaultHasher::new();
                 raw.id.hash(&mut h);
                 tls.fingerprint.hash(&mut h);
+                base_url.hash(&mut h);
+                http2.hash(&mut h);
                 h.finish()
             };
             out.push(Provider {
