@@ -93,16 +93,16 @@ impl AccessLog {
 pub fn text(e: &Entry, out: &mut Vec<u8>) {
     timestamp(e.at, out);
     out.extend_from_slice(b" INFO sluice::access: request");
-    pair("method", e.method, out);
-    pair("path", clip(e.path), out);
-    pair("route", e.route, out);
-    pair("model", e.model, out);
-    pair("client", e.client.unwrap_or(""), out);
+    pair(b" method=", e.method, out);
+    pair(b" path=", clip(e.path), out);
+    pair(b" route=", e.route, out);
+    pair(b" model=", e.model, out);
+    pair(b" client=", e.client.unwrap_or(""), out);
     num(b" status=", e.status, out);
     num(b" attempts=", e.attempts, out);
-    pair("provider", e.provider, out);
-    pair("connection", e.connection, out);
-    pair("upstream_model", e.upstream_model, out);
+    pair(b" provider=", e.provider, out);
+    pair(b" connection=", e.connection, out);
+    pair(b" upstream_model=", e.upstream_model, out);
     out.extend_from_slice(b" failed=");
     if e.failed.is_empty() {
         out.push(b'-');
@@ -124,22 +124,20 @@ pub fn text(e: &Entry, out: &mut Vec<u8>) {
             text_value(d, out);
         }
     }
-    pair("note", e.note.unwrap_or(""), out);
+    pair(b" note=", e.note.unwrap_or(""), out);
     match e.ttfb_ms {
         Some(t) => num(b" ttfb_ms=", t, out),
         None => out.extend_from_slice(b" ttfb_ms=-"),
     }
     num(b" duration_ms=", e.duration_ms, out);
     num(b" bytes_out=", e.bytes_out as u64, out);
-    pair("error", e.error.unwrap_or(""), out);
+    pair(b" error=", e.error.unwrap_or(""), out);
     out.push(b'\n');
 }
 
-/// ` key=value` of the text format.
-fn pair(key: &str, v: &str, out: &mut Vec<u8>) {
-    out.push(b' ');
-    out.extend_from_slice(key.as_bytes());
-    out.push(b'=');
+/// ` key=value` of the text format (`label` is ` key=`).
+fn pair(label: &[u8], v: &str, out: &mut Vec<u8>) {
+    out.extend_from_slice(label);
     text_value(if v.is_empty() { "-" } else { v }, out);
 }
 

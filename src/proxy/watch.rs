@@ -8,7 +8,7 @@
 //! client sends meanwhile (a pipelined request) stop the watching rather than being
 //! taken for a disconnect, and are kept for the connection's next request.
 
-use crate::server::conn::ClientConn;
+use crate::server::conn::{ClientConn, Watched};
 use std::future::Future;
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -70,20 +70,19 @@ impl ClientWatch {
         if let Some(out) = first.await {
             return Wait::Ready(out);
         }
-        let sleep = match limit {
-            Limit::For(d) => tokio::time::sleep(d),
-            Limit::Until(t) => tokio::time::sleep_until(t.into()),
+        let deadline = match limit {
+            Limit::For(d) => crate::clock::monotonic() + d,
+            Limit::Until(t) => t,
         };
-        tokio::pin!(sleep);
         loop {
             tokio::select! {
                 biased;
                 out = &mut fut => return Wait::Ready(out),
-                _ = &mut sleep => return Wait::TimedOut,
-                gone = conn.closed_or_data(), if self.watching => match gone {
-                    true => return Wait::ClientGone,
+                w = conn.watch(deadline, self.watching) => match w {
+                    Watched::Deadline => return Wait::TimedOut,
+                    Watched::Closed => return Wait::ClientGone,
                     // Bytes (e.g. a pipelined request): stop probing, keep going.
-                    false => self.watching = false,
+                    Watched::Data => self.watching = false,
                 },
             }
         }

@@ -132,6 +132,11 @@ pub struct ClientConn {
     accepted: Instant,
     /// The idle and header waits; reset per wait, allocated once.
     timer: Pin<Box<Sleep>>,
+    /// The request path's waits ([`ClientConn::watch`]): made at the first, then kept
+    /// registered, so a later wait's later deadline only moves it (no timer-wheel
+    /// insertion and removal per wait). Apart from `timer`, whose idle deadline would
+    /// otherwise alternate with the waits' and be re-inserted each time.
+    waits: Option<Pin<Box<Sleep>>>,
     shutdown: ShutdownWatch,
     draining: watch::Receiver<bool>,
     /// The server is stopping and the connection knows it: stopping when it was
@@ -169,6 +174,7 @@ impl ClientConn {
             timer: Box::pin(tokio::time::sleep_until(
                 (accepted + limits.header_timeout).into(),
             )),
+            waits: None,
             limits,
             accepted,
             stop_seen: *shutdown.borrow() || *draining.borrow(),
@@ -403,17 +409,23 @@ impl ClientConn {
     /// client sends bytes (`false`: a pipelined request, kept for later). Bytes of the
     /// current request's body must have been read before.
     pub async fn closed_or_data(&mut self) -> bool {
-        loop {
-            if self.io.readable().await.is_err() {
-                return true;
-            }
-            reserve(&mut self.buf);
-            match self.io.try_read_buf(&mut self.buf) {
-                Ok(0) => return true,
-                Ok(_) => return false,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(_) => return true,
-            }
+        closed_or_data(&self.io, &mut self.buf).await
+    }
+
+    /// Waits until `deadline`, or, with `client` set, until the client closes the
+    /// connection or sends bytes ([`ClientConn::closed_or_data`]), whichever is first.
+    pub async fn watch(&mut self, deadline: Instant, client: bool) -> Watched {
+        let timer = self
+            .waits
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline.into())));
+        timer.as_mut().reset(deadline.into());
+        tokio::select! {
+            biased;
+            _ = timer.as_mut() => Watched::Deadline,
+            gone = closed_or_data(&self.io, &mut self.buf), if client => match gone {
+                true => Watched::Closed,
+                false => Watched::Data,
+            },
         }
     }
 
@@ -666,6 +678,32 @@ async fn stopped(shutdown: &mut ShutdownWatch) {
 fn first_line(b: &[u8]) -> &[u8] {
     let end = memchr::memchr(b'\n', b).unwrap_or(b.len());
     &b[..end]
+}
+
+/// How a [`ClientConn::watch`] ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Watched {
+    Deadline,
+    /// The client closed the connection, or it failed.
+    Closed,
+    /// The client sent bytes (kept for the next request).
+    Data,
+}
+
+/// [`ClientConn::closed_or_data`] on the connection's parts.
+async fn closed_or_data(io: &TcpStream, buf: &mut BytesMut) -> bool {
+    loop {
+        if io.readable().await.is_err() {
+            return true;
+        }
+        reserve(buf);
+        match io.try_read_buf(buf) {
+            Ok(0) => return true,
+            Ok(_) => return false,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(_) => return true,
+        }
+    }
 }
 
 /// Whether `buf` holds the end of a head: a line feed followed by an empty line (`\n\n`
