@@ -15,6 +15,8 @@
 //! request header.
 
 use super::attempt::{AttemptEnd, Call};
+use super::pool::Dest;
+use super::transport::{Upstream, POOL_IDLE};
 use super::watch::{ClientWatch, Wait};
 use crate::clock::monotonic;
 use crate::config::{BaseUrl, Connection, Provider, Subscription};
@@ -307,7 +309,16 @@ impl OAuth<'_, '_, '_> {
                 .resolve(&base.host, base.port, monotonic())
                 .await
                 .map_err(|_| "dns lookup failed".to_string())?;
-            let peer = oauth_peer(addr, base, p);
+            // The provider's own upstream when the OAuth base is its base and it speaks
+            // HTTP/1.1 only: the connection then joins the main lane's idle list.
+            // Elsewhere nothing would take it (these calls open their own), so it is
+            // closed after the call.
+            let shared = Some(Upstream::new(self.call.pick.provider, p, addr))
+                .filter(|u| base == &p.base_url && !u.of(p).multiplexed());
+            let peer = match shared {
+                Some(_) => super::transport::peer(p, addr, POOL_IDLE),
+                None => oauth_peer(addr, base, p),
+            };
             let (path, query) = match path.split_once('?') {
                 Some((p, q)) => (p, Some(q)),
                 None => (path, None),
@@ -353,11 +364,8 @@ impl OAuth<'_, '_, '_> {
             let complete = super::attempt::read_bounded(&mut up, &mut buf, OAUTH_BODY_LIMIT)
                 .await
                 .map_err(|e| e.to_string())?;
-            if complete {
-                engine
-                    .upstreams
-                    .release(up, &peer, super::transport::POOL_IDLE)
-                    .await;
+            if let Some(u) = shared.filter(|_| complete) {
+                engine.upstreams.release(up, &u.of(p), POOL_IDLE).await;
             }
             Ok((status, buf.freeze()))
         };
@@ -371,13 +379,13 @@ impl OAuth<'_, '_, '_> {
     }
 }
 
-/// The peer of the OAuth base: the provider's own when it is the same place, else the
-/// base with the provider's TLS trust, on HTTP/1.1.
+/// The peer of an OAuth base that is not the provider's own: the base with the
+/// provider's TLS trust, on HTTP/1.1.
 fn oauth_peer(addr: std::net::SocketAddr, base: &BaseUrl, p: &Provider) -> HttpPeer {
     let mut peer = HttpPeer::new(addr, base.tls, base.host.clone());
     peer.options.connection_timeout = Some(p.connect_timeout);
     peer.options.total_connection_timeout = Some(p.connect_timeout * 2);
-    peer.options.idle_timeout = Some(super::transport::POOL_IDLE);
+    peer.options.idle_timeout = Some(POOL_IDLE);
     peer.group_key = super::transport::group_key(p);
     peer.options.set_http_version(1, 1);
     if base.tls {
