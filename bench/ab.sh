@@ -6,6 +6,9 @@
 #
 #   BENCH_BIN_A=/path/to/old/release BENCH_BIN_B=target/release \
 #     BENCH_ROUNDS=5 BENCH_DURATION=8s BENCH_CONNS=32 ./bench/ab.sh
+#
+# BENCH_MOCK sets the mock's arguments (default "--chunks 8 --chunk-interval 0ms"), e.g.
+# "--chunks 6 --chunk-interval 25ms" for streams that wait between chunks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 A=${BENCH_BIN_A:?set BENCH_BIN_A to the release dir of build A}
@@ -15,7 +18,8 @@ DUR=${BENCH_DURATION:-8s}
 CONNS=${BENCH_CONNS:-32}
 command -v wrk >/dev/null || { echo "bench: wrk is required (apt-get install wrk)" >&2; exit 2; }
 BENCH_BIN=$B . bench/lib.sh
-start_mock --chunks 8 --chunk-interval 0ms
+# shellcheck disable=SC2086 # BENCH_MOCK holds several arguments
+start_mock ${BENCH_MOCK:---chunks 8 --chunk-interval 0ms}
 BIN=$A start_sluice a; SA=$SLUICE; PA=$SLUICE_PID
 BIN=$B start_sluice b; SB=$SLUICE; PB=$SLUICE_PID
 THREADS=$(( CONNS < 2 ? 1 : 2 ))
