@@ -28,6 +28,7 @@ use bytes::{Bytes, BytesMut};
 use pingora::RetryType;
 use std::borrow::Cow;
 use std::net::SocketAddr;
+use std::pin::pin;
 use std::time::{Duration, Instant};
 
 /// Upstream error bodies are read up to this size (SPEC §2, phase 4).
@@ -183,7 +184,7 @@ async fn phases(
                 "pooled upstream connection was closed; request resent on another connection");
             let peer = transport::peer(p, upstream.addr, POOL_IDLE);
             let got = async { Ok((call.req.engine.upstreams.fresh(&peer).await?, false)) };
-            up = session_of(watch.race(conn, call.deadline, got).await)?.0;
+            up = session_of(watch.race(conn, call.deadline, pin!(got)).await)?.0;
             send(conn, watch, call, &mut up, (monotonic(), first_byte_by)).await?
         }
         other => other?,
@@ -221,7 +222,7 @@ async fn connect(
     let upstream = Upstream::new(call.pick.provider, p, addr);
     let to = upstream.of(p);
     let got = engine.upstreams.session(&to);
-    let (up, reused) = session_of(watch.race(conn, call.deadline, got).await)?;
+    let (up, reused) = session_of(watch.race(conn, call.deadline, pin!(got)).await)?;
     Ok((up, upstream, reused))
 }
 
@@ -237,7 +238,7 @@ async fn resolve(
         .engine
         .resolver
         .resolve(&p.base_url.host, p.base_url.port, monotonic());
-    match watch.race(conn, call.deadline, lookup).await {
+    match watch.race(conn, call.deadline, pin!(lookup)).await {
         Wait::Ready(Ok(a)) => Ok(a),
         Wait::Ready(Err(_)) => Err(broken(
             TransportKind::Connect,
@@ -292,7 +293,7 @@ async fn send(
         up.send(head, body).await?;
         up.read_head(MAX_UPSTREAM_HEADER_BYTES).await
     };
-    let head = match watch.race(conn, first_byte_by, exchange).await {
+    let head = match watch.race(conn, first_byte_by, pin!(exchange)).await {
         Wait::Ready(Ok(head)) => head,
         Wait::Ready(Err(e)) => {
             let at_once = written_at.elapsed() < STALE_WINDOW;
@@ -350,7 +351,7 @@ async fn hold_error(
             .await
             .unwrap_or(false);
     };
-    if let Wait::ClientGone = watch.race(conn, limit, read).await {
+    if let Wait::ClientGone = watch.race(conn, limit, pin!(read)).await {
         return AttemptEnd::ClientGone;
     }
     let (headers, body) = redacted(&call.req.snap.redactor, head.to_header_map(), &buf);
@@ -427,7 +428,7 @@ async fn first_chunk(
     if up.is_done() {
         return Ok(None);
     }
-    match watch.race(conn, first_byte_by, up.read_body()).await {
+    match watch.race(conn, first_byte_by, pin!(up.read_body())).await {
         Wait::Ready(Ok(c)) => Ok(c),
         Wait::Ready(Err(_)) => Err(broken(
             TransportKind::Reset,

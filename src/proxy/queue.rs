@@ -13,6 +13,7 @@ use crate::engine::permits::PermitGuard;
 use crate::engine::select::{self, Candidate};
 use crate::server::conn::ClientConn;
 use futures::future::select_all;
+use std::pin::pin;
 use std::time::Duration;
 
 pub(super) enum Permitted {
@@ -61,7 +62,7 @@ pub(super) async fn wait_for_permit(
         })
     });
     // The other waits are dropped here, before `limits`, which they borrow.
-    let won = match watch.race(conn, limit, select_all(waits)).await {
+    let won = match watch.race(conn, limit, pin!(select_all(waits))).await {
         Wait::Ready(((i, got), _, _)) => Wait::Ready((i, got)),
         Wait::TimedOut => Wait::TimedOut,
         Wait::ClientGone => Wait::ClientGone,

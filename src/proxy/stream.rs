@@ -33,6 +33,7 @@ use crate::server::conn::ClientConn;
 use crate::server::lifecycle::until_set;
 use crate::sse::{SseAssembler, SseEvent, SseProgress};
 use bytes::{Bytes, BytesMut};
+use std::pin::pin;
 use std::time::Instant;
 
 /// A batch stops taking chunks once it holds this much (so at most this plus one chunk).
@@ -137,7 +138,7 @@ impl<'r, 'a> Pump<'r, 'a> {
                     _ = until_set(stopping) => None,
                 }
             };
-            let got = match watch.race(conn, until, read).await {
+            let got = match watch.race(conn, until, pin!(read)).await {
                 Wait::Ready(None) => return self.fail(conn, None, AbortReason::Shutdown).await,
                 Wait::Ready(Some(r)) => Wait::Ready(r),
                 Wait::TimedOut => Wait::TimedOut,

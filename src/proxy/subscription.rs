@@ -26,6 +26,7 @@ use crate::policy::subscription::{
 use crate::server::conn::ClientConn;
 use bytes::{Bytes, BytesMut};
 use pingora::prelude::HttpPeer;
+use std::pin::pin;
 use std::time::Duration;
 
 /// Resends of one request on its pick (walls, claims, lane waits) before its answer goes
@@ -369,6 +370,7 @@ impl OAuth<'_, '_, '_> {
             }
             Ok((status, buf.freeze()))
         };
+        let exchange = pin!(exchange);
         match watch.race(client, limit, exchange).await {
             Wait::Ready(r) => r.map_err(Stop::Failed),
             // Out of the request's own budget: nothing learnt about the upstream.

@@ -10,6 +10,7 @@
 
 use crate::server::conn::{ClientConn, Watched};
 use std::future::Future;
+use std::pin::{pin, Pin};
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
@@ -52,15 +53,16 @@ impl Default for ClientWatch {
 
 impl ClientWatch {
     /// Runs `fut` within `limit` (a span or a deadline), watching the client connection
-    /// meanwhile.
+    /// meanwhile. The future is pinned where the caller made it (`pin!(…)`): moved into
+    /// the race by value, its state (up to ~1 KB for an upstream exchange) was copied
+    /// once more per wait.
     pub async fn race<F: Future>(
         &mut self,
         conn: &mut ClientConn,
         limit: impl Into<Limit>,
-        fut: F,
+        mut fut: Pin<&mut F>,
     ) -> Wait<F::Output> {
         let limit = limit.into();
-        tokio::pin!(fut);
         // Most waits of a request are ready at once (a cached address, a pooled
         // connection, a body already read): no timer and no client watch for those.
         let first = std::future::poll_fn(|cx| match fut.as_mut().poll(cx) {
@@ -77,7 +79,7 @@ impl ClientWatch {
         loop {
             tokio::select! {
                 biased;
-                out = &mut fut => return Wait::Ready(out),
+                out = fut.as_mut() => return Wait::Ready(out),
                 w = conn.watch(deadline, self.watching) => match w {
                     Watched::Deadline => return Wait::TimedOut,
                     Watched::Closed => return Wait::ClientGone,
@@ -91,7 +93,7 @@ impl ClientWatch {
     /// Sleeps `d` unless the client leaves first; false if it left.
     pub async fn sleep(&mut self, conn: &mut ClientConn, d: Duration) -> bool {
         !matches!(
-            self.race(conn, d, std::future::pending::<()>()).await,
+            self.race(conn, d, pin!(std::future::pending::<()>())).await,
             Wait::ClientGone
         )
     }
