@@ -107,11 +107,11 @@ impl Head {
     /// The first value of the field `name` (any case; `name` given in lower case).
     pub fn get(&self, name: &str) -> Option<&[u8]> {
         let name = name.as_bytes();
-        if self.names & name_bit(name) == 0 {
-            return None;
-        }
         let held = |(n, _): &&(Span, Span)| self.is(*n, name);
-        self.fields.iter().find(held).map(|(_, v)| self.span(*v))
+        self.candidates(name)
+            .iter()
+            .find(held)
+            .map(|(_, v)| self.span(*v))
     }
 
     /// The first value of `name` as text (`None` also when it is not UTF-8).
@@ -122,9 +122,7 @@ impl Head {
     /// Every value of the field `name`, in order.
     pub fn get_all<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a [u8]> + 'a {
         let name = name.as_bytes();
-        let held = self.names & name_bit(name) != 0;
-        let fields = if held { &self.fields[..] } else { &[] };
-        fields
+        self.candidates(name)
             .iter()
             .filter(move |(n, _)| self.is(*n, name))
             .map(|(_, v)| self.span(*v))
@@ -176,6 +174,15 @@ impl Head {
 
     fn span(&self, s: Span) -> &[u8] {
         &self.bytes[s.range()]
+    }
+
+    /// The fields a lookup of `name` must look at: none when the name summary shows
+    /// the head does not hold it.
+    fn candidates(&self, name: &[u8]) -> &[(Span, Span)] {
+        if self.names & name_bit(name) == 0 {
+            return &[];
+        }
+        &self.fields
     }
 
     /// Whether the name at `n` is `name` (any case), lengths compared first.

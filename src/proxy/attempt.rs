@@ -13,7 +13,7 @@
 //!   whole; any other end drops it.
 
 use super::ctx::{Request, RequestCtx};
-use super::transport::{self, Cause, Upstream};
+use super::transport::{self, Cause, Upstream, POOL_IDLE};
 use super::upconn::UpConn;
 use super::upstream;
 use super::watch::{ClientWatch, Wait};
@@ -36,7 +36,6 @@ const ERROR_BODY_LIMIT: usize = 64 * 1024;
 /// An upstream response header larger than this is not passed on: the attempt is a
 /// transport failure (the client would otherwise get whatever the upstream sent).
 const MAX_UPSTREAM_HEADER_BYTES: usize = 64 * 1024;
-pub(super) use super::transport::POOL_IDLE;
 /// The upstream connection broke (write or read error) before a whole response header.
 const CONN_FAILED: &str = "upstream connection failed";
 /// The connection was closed or reset right after the request was written, before a
@@ -182,7 +181,7 @@ async fn phases(
             let p = &call.req.snap.config.providers[call.pick.provider];
             tracing::info!(provider = %p.id, connection = %p.connections[call.pick.connection].id,
                 "pooled upstream connection was closed; request resent on another connection");
-            let peer = transport::peer(p, upstream.addr, POOL_IDLE);
+            let peer = transport::peer(p, upstream.addr);
             let got = async { Ok((call.req.engine.upstreams.fresh(&peer).await?, false)) };
             up = session_of(watch.race(conn, call.deadline, pin!(got)).await)?.0;
             send(conn, watch, call, &mut up, (monotonic(), first_byte_by)).await?

@@ -30,7 +30,7 @@ use super::upconn::UpConn;
 use crate::engine::state::lock;
 use foldhash::HashMap;
 use pingora::connectors::{ConnectorOptions, TransportConnector};
-use pingora::upstreams::peer::{HttpPeer, Peer};
+use pingora::upstreams::peer::HttpPeer;
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -75,22 +75,6 @@ pub trait Dest {
     fn multiplexed(&self) -> bool;
     /// The peer a new connection, or an HTTP/2 session, is made to.
     fn peer(&self) -> Cow<'_, HttpPeer>;
-}
-
-/// A peer names itself: Pingora's reuse hash (which covers its group key, and with it
-/// the client worker) is the key.
-impl Dest for HttpPeer {
-    fn key(&self) -> u64 {
-        self.reuse_hash()
-    }
-
-    fn multiplexed(&self) -> bool {
-        super::transport::multiplexed(self)
-    }
-
-    fn peer(&self) -> Cow<'_, HttpPeer> {
-        Cow::Borrowed(self)
-    }
 }
 
 /// The idle connections, by [`Dest::key`], each list oldest first.

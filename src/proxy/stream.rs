@@ -20,10 +20,11 @@
 //! delivers the batch before its error event. The response head, written at the commit
 //! point, leaves with the first batch.
 
-use super::attempt::{Committed, POOL_IDLE};
+use super::attempt::Committed;
 use super::ctx::Request;
 use super::framing::EventBoundary;
 use super::respond;
+use super::transport::POOL_IDLE;
 use super::upconn::UpConn;
 use super::watch::{ClientWatch, Wait};
 use crate::clock::monotonic;

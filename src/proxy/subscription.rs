@@ -15,8 +15,7 @@
 //! request header.
 
 use super::attempt::{AttemptEnd, Call};
-use super::pool::Dest;
-use super::transport::{Upstream, POOL_IDLE};
+use super::transport::{multiplexing, Upstream, POOL_IDLE};
 use super::watch::{ClientWatch, Wait};
 use crate::clock::monotonic;
 use crate::config::{BaseUrl, Connection, Provider, Subscription};
@@ -314,10 +313,10 @@ impl OAuth<'_, '_, '_> {
             // HTTP/1.1 only: the connection then joins the main lane's idle list.
             // Elsewhere nothing would take it (these calls open their own), so it is
             // closed after the call.
-            let shared = Some(Upstream::new(self.call.pick.provider, p, addr))
-                .filter(|u| base == &p.base_url && !u.of(p).multiplexed());
+            let shared = (base == &p.base_url && !multiplexing(p))
+                .then(|| Upstream::new(self.call.pick.provider, p, addr));
             let peer = match shared {
-                Some(_) => super::transport::peer(p, addr, POOL_IDLE),
+                Some(_) => super::transport::peer(p, addr),
                 None => oauth_peer(addr, base, p),
             };
             let (path, query) = match path.split_once('?') {

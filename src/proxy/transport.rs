@@ -3,7 +3,8 @@
 //!
 //! Invariants: a peer is configured from its provider alone, the same way for every
 //! attempt, so pooled connections are reused only by peers that would have made them
-//! (Pingora's reuse hash covers the TLS settings and the ALPN); HTTP/2 is multiplexed
+//! (an [`Upstream`]'s key covers the provider's pool key, the address and the worker;
+//! Pingora's reuse hash, for HTTP/2, the TLS settings and the ALPN); HTTP/2 is multiplexed
 //! up to [`H2_STREAMS`] requests per connection; a transport failure's cause is one of a
 //! few stable words (metric labels, `diagnostics.attempts[].reason`), and its detail is
 //! Pingora's error text, bounded and never holding request bytes.
@@ -35,6 +36,11 @@ pub const H2_STREAMS: usize = 100;
 ///   built, used and released by one request, on one worker.
 pub fn group_key(p: &Provider) -> u64 {
     p.pool_key ^ crate::server::workers::pool_salt()
+}
+
+/// Whether peers of `p` may speak HTTP/2 (what [`multiplexed`] says of such a peer).
+pub fn multiplexing(p: &Provider) -> bool {
+    http_versions(p).0 == 2
 }
 
 /// The (highest, lowest) HTTP versions a peer of `p` speaks.
@@ -82,7 +88,6 @@ pub struct Upstream {
     pub provider: usize,
     pub addr: SocketAddr,
     key: u64,
-    multiplexed: bool,
 }
 
 impl Upstream {
@@ -100,7 +105,6 @@ impl Upstream {
             provider,
             addr,
             key,
-            multiplexed: http_versions(p).0 == 2,
         }
     }
 
@@ -122,11 +126,11 @@ impl Dest for UpstreamOf<'_> {
     }
 
     fn multiplexed(&self) -> bool {
-        self.up.multiplexed
+        multiplexing(self.p)
     }
 
     fn peer(&self) -> Cow<'_, HttpPeer> {
-        Cow::Owned(peer(self.p, self.up.addr, POOL_IDLE))
+        Cow::Owned(peer(self.p, self.up.addr))
     }
 }
 
@@ -134,11 +138,11 @@ impl Dest for UpstreamOf<'_> {
 pub const POOL_IDLE: Duration = Duration::from_secs(90);
 
 /// A peer of `p` at `addr`: its connect timeouts, idle timeout, TLS and HTTP versions.
-pub fn peer(p: &Provider, addr: SocketAddr, idle: Duration) -> HttpPeer {
+pub fn peer(p: &Provider, addr: SocketAddr) -> HttpPeer {
     let mut peer = HttpPeer::new(addr, p.base_url.tls, p.base_url.host.clone());
     peer.options.connection_timeout = Some(p.connect_timeout);
     peer.options.total_connection_timeout = Some(p.connect_timeout * 2);
-    peer.options.idle_timeout = Some(idle);
+    peer.options.idle_timeout = Some(POOL_IDLE);
     configure(&mut peer, p);
     peer
 }

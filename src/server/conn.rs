@@ -405,15 +405,10 @@ impl ClientConn {
         }
     }
 
-    /// Resolves when the client closes the connection or it fails (`true`), or when the
-    /// client sends bytes (`false`: a pipelined request, kept for later). Bytes of the
-    /// current request's body must have been read before.
-    pub async fn closed_or_data(&mut self) -> bool {
-        closed_or_data(&self.io, &mut self.buf).await
-    }
-
     /// Waits until `deadline`, or, with `client` set, until the client closes the
-    /// connection or sends bytes ([`ClientConn::closed_or_data`]), whichever is first.
+    /// connection or it fails (`Closed`) or sends bytes (`Data`: a pipelined request,
+    /// kept for later), whichever is first. Bytes of the current request's body must
+    /// have been read before.
     pub async fn watch(&mut self, deadline: Instant, client: bool) -> Watched {
         let timer = self
             .waits
@@ -690,7 +685,8 @@ pub enum Watched {
     Data,
 }
 
-/// [`ClientConn::closed_or_data`] on the connection's parts.
+/// Resolves when the client closes the connection or it fails (`true`), or when it
+/// sends bytes (`false`, kept in `buf`).
 async fn closed_or_data(io: &TcpStream, buf: &mut BytesMut) -> bool {
     loop {
         if io.readable().await.is_err() {
@@ -1088,12 +1084,17 @@ mod tests {
     async fn bytes_sent_while_watching_are_kept_and_a_close_is_seen() {
         let (mut conn, mut client, _stop) = asked(b"GET /a HTTP/1.1\r\n\r\n").await;
         client.write_all(b"GET /b HTTP/1.1\r\n\r\n").await.unwrap();
-        assert!(!conn.closed_or_data().await, "data is not a close");
+        let later = crate::clock::monotonic() + Duration::from_secs(5);
+        assert_eq!(
+            conn.watch(later, true).await,
+            Watched::Data,
+            "data is not a close"
+        );
         conn.head(200).end(BodySize::Exactly(0));
         conn.write_body(b"", true).await.unwrap();
         assert!(conn.reusable());
         assert_eq!(request(&mut conn).await.path(), "/b");
         drop(client);
-        assert!(conn.closed_or_data().await);
+        assert_eq!(conn.watch(later, true).await, Watched::Closed);
     }
 }
