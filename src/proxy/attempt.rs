@@ -181,15 +181,19 @@ async fn phases(
             let p = &call.req.snap.config.providers[call.pick.provider];
             tracing::info!(provider = %p.id, connection = %p.connections[call.pick.connection].id,
                 "pooled upstream connection was closed; request resent on another connection");
-            let peer = transport::peer(p, upstream.addr);
-            let got = async { Ok((call.req.engine.upstreams.fresh(&peer).await?, false)) };
-            up = session_of(watch.race(conn, call.deadline, pin!(got)).await)?.0;
+            // Boxed with its peer: a rare path's state stays out of the task.
+            let mut got = Box::pin(async {
+                let peer = transport::peer(p, upstream.addr);
+                Ok((call.req.engine.upstreams.fresh(&peer).await?, false))
+            });
+            up = session_of(watch.race(conn, call.deadline, got.as_mut()).await)?.0;
             send(conn, watch, call, &mut up, (monotonic(), first_byte_by)).await?
         }
         other => other?,
     };
     if head.status() >= 400 {
-        return Ok(hold_error(conn, watch, call, up, upstream, head).await);
+        // Boxed: the error path's state stays out of every connection's task.
+        return Ok(Box::pin(hold_error(conn, watch, call, up, upstream, head)).await);
     }
     let first = first_chunk(conn, watch, call, &mut up, first_byte_by).await?;
     let now = monotonic();

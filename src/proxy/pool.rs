@@ -209,15 +209,20 @@ impl Upstreams {
     /// An HTTP/1.1 session to `to`: an idle connection if one is still good (`true`),
     /// else a new one.
     pub async fn session(&self, to: &impl Dest) -> pingora::Result<(UpConn, bool)> {
+        // The paths that need a peer (~670 bytes) are boxed with it, so the pooled
+        // path's state, held in every connection's task, stays small.
         if to.multiplexed() {
-            let peer = to.peer();
-            let (s, reused) = Box::pin(self.multiplexing.get_http_session(&*peer)).await?;
-            return Ok((UpConn::H2(Box::new(s)), reused));
+            return Box::pin(async move {
+                let peer = to.peer();
+                let (s, reused) = self.multiplexing.get_http_session(&*peer).await?;
+                Ok((UpConn::H2(Box::new(s)), reused))
+            })
+            .await;
         }
         if let Some(conn) = self.take(to.key(), crate::clock::monotonic()) {
             return Ok((UpConn::H1(conn), true));
         }
-        Ok((self.fresh(&to.peer()).await?, false))
+        Box::pin(async move { Ok((self.fresh(&to.peer()).await?, false)) }).await
     }
 
     /// A session on a new connection (the retry after a pooled one turned out closed:
@@ -225,7 +230,11 @@ impl Upstreams {
     ///
     /// Pingora's connect futures (TCP, TLS handshake, HTTP/2 setup) are boxed: inline,
     /// they made every request's future ~19 KB larger, held for a stream's whole life,
-    /// although most requests take a pooled connection and never run them.
+    /// although most requests take a pooled connection and never run them. The same
+    /// holds for everything else that is rare and large in a connection's task (an
+    /// HTTP/2 release, an error response held for pass-through): a task's state that
+    /// no request writes still spreads the parts that every request does write over
+    /// more cache lines, and a larger task costs more to copy in.
     pub async fn fresh(&self, peer: &HttpPeer) -> pingora::Result<UpConn> {
         if super::transport::multiplexed(peer) {
             let (s, _) = Box::pin(self.multiplexing.get_http_session(peer)).await?;
@@ -256,9 +265,16 @@ impl Upstreams {
     pub async fn release(&self, session: UpConn, to: &impl Dest, idle_timeout: Duration) {
         let h1 = match session {
             UpConn::H2(h2) => {
-                self.multiplexing
-                    .release_http_session(*h2, &*to.peer(), Some(idle_timeout))
-                    .await;
+                // Boxed with the peer it needs: Pingora's release future and an
+                // HttpPeer (~3.6 KB) would otherwise sit in every connection's task.
+                Box::pin(async move {
+                    let peer = to.peer();
+                    let h2 = *h2;
+                    self.multiplexing
+                        .release_http_session(h2, &*peer, Some(idle_timeout))
+                        .await;
+                })
+                .await;
                 return;
             }
             UpConn::H1(h1) => h1,
