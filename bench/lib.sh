@@ -61,11 +61,12 @@ YAML
 }
 
 # start_floor -> the bare pass-through (bench/floor.rs) on the mock; sets FLOOR
-# (client address) and FLOOR_PID. FLOOR_BIN overrides the binary.
+# (client address) and FLOOR_PID. FLOOR_BIN overrides the binary, FLOOR_THREADS its
+# client workers (default 2).
 start_floor() {
   local bin=${FLOOR_BIN:-target/release/examples/floor}
   [ -x "$bin" ] || { echo "bench: build the floor first (cargo build --release --example floor)" >&2; exit 2; }
-  "$bin" --upstream "$MOCK" --threads 2 >"$WORK/floor.out" 2>"$WORK/floor.log" &
+  "$bin" --upstream "$MOCK" --threads "${FLOOR_THREADS:-2}" >"$WORK/floor.out" 2>"$WORK/floor.log" &
   FLOOR_PID=$!
   PIDS+=("$FLOOR_PID")
   FLOOR=$(wait_listen "$WORK/floor.out" client)

@@ -613,8 +613,11 @@ impl Engine {
     pub fn breaker_permit(&self, snap: &Snapshot, provider: usize, now: Millis) -> Permit {
         let bcfg = breaker_config(snap, provider);
         let id = &snap.config.providers[provider].id;
-        let entry = self.tables.provider(id);
-        let (permit, transition) = lock(&entry).breaker.permit(&bcfg, now);
+        // The snapshot's handle on the entry (the one recording uses): no lookup by
+        // name, and no write to the table's lock or the entry's count that the other
+        // workers' requests would then have to fetch back.
+        let entry = snap.provider_entry(&self.tables, provider);
+        let (permit, transition) = lock(entry).breaker.permit(&bcfg, now);
         if let Some(t) = transition {
             self.note_transition(id, t);
         }
