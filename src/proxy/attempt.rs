@@ -181,15 +181,10 @@ async fn phases(
             let p = &call.req.snap.config.providers[call.pick.provider];
             tracing::info!(provider = %p.id, connection = %p.connections[call.pick.connection].id,
                 "pooled upstream connection was closed; request resent on another connection");
-            // Boxed with its peer: a rare path's state stays out of the task (and the
-            // box is gone before the resend).
-            up = {
-                let mut got = Box::pin(async {
-                    let peer = transport::peer(p, upstream.addr);
-                    Ok((call.req.engine.upstreams.fresh(&peer).await?, false))
-                });
-                session_of(watch.race(conn, call.deadline, got.as_mut()).await)?.0
-            };
+            let peer = Cow::Owned(transport::peer(p, upstream.addr));
+            let fresh = call.req.engine.upstreams.fresh(peer);
+            let got = async { Ok((fresh.await?, false)) };
+            up = session_of(watch.race(conn, call.deadline, pin!(got)).await)?.0;
             send(conn, watch, call, &mut up, (monotonic(), first_byte_by)).await?
         }
         other => other?,

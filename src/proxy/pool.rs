@@ -29,6 +29,7 @@ use super::h1::H1;
 use super::upconn::UpConn;
 use crate::engine::state::lock;
 use foldhash::HashMap;
+use futures::future::BoxFuture;
 use pingora::connectors::{ConnectorOptions, TransportConnector};
 use pingora::upstreams::peer::HttpPeer;
 use std::borrow::Cow;
@@ -209,8 +210,9 @@ impl Upstreams {
     /// An HTTP/1.1 session to `to`: an idle connection if one is still good (`true`),
     /// else a new one.
     pub async fn session(&self, to: &impl Dest) -> pingora::Result<(UpConn, bool)> {
-        // The paths that need a peer (~670 bytes) are boxed with it, so the pooled
-        // path's state, held in every connection's task, stays small.
+        // The paths that need a peer (~670 bytes) are boxed with it (a new connection in
+        // `fresh`), so the pooled path's state, held in every connection's task, stays
+        // small.
         if to.multiplexed() {
             return Box::pin(async move {
                 let peer = to.peer();
@@ -222,26 +224,29 @@ impl Upstreams {
         if let Some(conn) = self.take(to.key(), crate::clock::monotonic()) {
             return Ok((UpConn::H1(conn), true));
         }
-        Box::pin(async move { Ok((self.fresh(&to.peer()).await?, false)) }).await
+        Ok((self.fresh(to.peer()).await?, false))
     }
 
     /// A session on a new connection (the retry after a pooled one turned out closed:
     /// the upstream may have closed all its idle connections at once).
     ///
-    /// Pingora's connect futures (TCP, TLS handshake, HTTP/2 setup) are boxed: inline,
-    /// they made every request's future ~19 KB larger, held for a stream's whole life,
+    /// Boxed once, with the peer it connects to: Pingora's connect futures (TCP, TLS
+    /// handshake, HTTP/2 setup) and a peer (~670 bytes) would otherwise sit in every
+    /// connection's task (they made it ~19 KB larger, held for a stream's whole life),
     /// although most requests take a pooled connection and never run them. The same
     /// holds for everything else that is rare and large in a connection's task (an
     /// HTTP/2 release, an error response held for pass-through): a task's state that
     /// no request writes still spreads the parts that every request does write over
     /// more cache lines, and a larger task costs more to copy in.
-    pub async fn fresh(&self, peer: &HttpPeer) -> pingora::Result<UpConn> {
-        if super::transport::multiplexed(peer) {
-            let (s, _) = Box::pin(self.multiplexing.get_http_session(peer)).await?;
-            return Ok(UpConn::H2(Box::new(s)));
-        }
-        let stream = Box::pin(self.transport.new_stream(peer)).await?;
-        Ok(UpConn::H1(H1::new(stream)))
+    pub fn fresh<'a>(&'a self, peer: Cow<'a, HttpPeer>) -> BoxFuture<'a, pingora::Result<UpConn>> {
+        Box::pin(async move {
+            if super::transport::multiplexed(&peer) {
+                let (s, _) = self.multiplexing.get_http_session(&*peer).await?;
+                return Ok(UpConn::H2(Box::new(s)));
+            }
+            let stream = self.transport.new_stream(&*peer).await?;
+            Ok(UpConn::H1(H1::new(stream)))
+        })
     }
 
     fn take(&self, key: u64, now: Instant) -> Option<H1> {

@@ -349,7 +349,7 @@ impl OAuth<'_, '_, '_> {
             // the call is rare (one per wall).
             let mut up = engine
                 .upstreams
-                .fresh(&peer)
+                .fresh(std::borrow::Cow::Borrowed(&peer))
                 .await
                 .map_err(|e| e.to_string())?;
             up.send(head, body.unwrap_or_default())
