@@ -21,6 +21,14 @@ impl EventBoundary {
     /// Follows the bytes that were sent to the client. It jumps from line end to line
     /// end: a run of other bytes only matters by its first byte.
     pub fn feed(&mut self, chunk: &[u8]) {
+        // Upstreams mostly send whole events. A chunk ending in a blank line (LF LF, or
+        // CR LF CR LF) leaves no line, event or CR open whatever came before it, so it
+        // needs no scan: the second-to-last line end closed any line, the last one is a
+        // blank line, and no CR is left waiting for its LF.
+        if chunk.ends_with(b"\n\n") || chunk.ends_with(b"\r\n\r\n") {
+            *self = EventBoundary::default();
+            return;
+        }
         let mut rest = chunk;
         while let Some(&first) = rest.first() {
             let end = memchr::memchr2(b'\n', b'\r', rest);
@@ -47,6 +55,8 @@ impl EventBoundary {
         if self.mid_line {
             self.event_open |= !self.comment;
             self.mid_line = false;
+            // Only a line in progress has a kind.
+            self.comment = false;
         } else {
             // A blank line dispatches (or discards) the event.
             self.event_open = false;
@@ -138,7 +148,7 @@ mod tests {
 
     #[test]
     fn terminators_by_position() {
-        let rows: [Row; 10] = [
+        let rows: [Row; 13] = [
             (&[], b"", false),
             (&[b"data: {}\n\n"], b"", false),
             (&[b"data: {\"a\":"], b"\n\n", true),
@@ -149,6 +159,10 @@ mod tests {
             (&[b"data: a\r", b"\n"], b"\n", true),
             (&[b"data: a\r\r"], b"", false),
             (&[b": keep-alive\n"], b"", false),
+            // Chunks that end in a blank line, after a line left open or a CR.
+            (&[b"data: a\r", b"\n\n"], b"", false),
+            (&[b"data: {\"a\":", b"1}\r\n\r\n"], b"", false),
+            (&[b"data: x\n\n", b"data: y\n"], b"\n", true),
         ];
         for (chunks, term, mid) in rows {
             let b = after(chunks);
