@@ -1,9 +1,11 @@
 //! Where a forwarded SSE byte stream stands relative to event boundaries, so that an
 //! error event appended after a failure starts on a boundary (SPEC §2 stream).
 //!
-//! The tracker sees every byte sent to the client and keeps three bits: inside a line,
-//! inside an event (a non-comment line since the last blank line), and whether the last
-//! byte was a CR (whose LF, if it came next, would belong to the same line end). From
+//! The tracker sees every byte sent to the client and keeps four bits: inside a line,
+//! whether that line is a comment, inside an event (a non-comment line since the last
+//! blank line), and whether the last byte was a CR (whose LF, if it came next, would
+//! belong to the same line end); a chunk that ends in a blank line leaves all four
+//! clear, so it is not read byte by byte. From
 //! those it knows the bytes that end a partial event — so the error event is never glued
 //! onto a half line, and parses on its own — and whether the upstream stopped mid-event.
 //! It keeps no bytes of the stream.
