@@ -61,6 +61,13 @@ bench-instructions: build
 	$(CARGO) build --release --example floor
 	./bench/instructions.sh
 
+## A release build optimised with a profile of the request path (PGO; needs llvm-profdata,
+## e.g. `apt-get install -y llvm-19`): binaries in target/pgo/release. Bench them with
+## `BENCH_BIN=target/pgo/release ./bench/run.sh` (docs/decisions.md, "Profile-guided builds").
+.PHONY: pgo
+pgo:
+	./scripts/pgo-build.sh
+
 ## The redis state backend against redb in one run (uncapped, and with a cluster-wide
 ## cap), needs redis-server (bench/RESULTS.md has the recorded runs).
 .PHONY: bench-shared
