@@ -14,8 +14,13 @@
 //! mock waits between chunks (the Python client it replaces measured 660 ms p99 directly
 //! against the mock, which hid any delay the gateway adds). Gaps are reported over the
 //! whole run and over the steady state (gaps that began once every stream was open,
-//! so no connects were in flight). The last line is `RESULT n completed idle_mb peak_mb
-//! kib_per_stream p50 p99 p99.9 max steady_p99 steady_p99.9` (gaps in ms).
+//! so no connects were in flight). When the mock stamps its chunks (`--stamp-chunks`:
+//! an SSE comment line `: t=<unix µs>` written with each), every stamp read is also a
+//! delivery time: the client's unix clock minus the stamp. Unlike a gap, it leaves out
+//! how late the mock's own timer fired, so a proxy's added delay shows through less
+//! noise. The last line is `RESULT n completed idle_mb peak_mb kib_per_stream p50 p99
+//! p99.9 max steady_p99 steady_p99.9 delivery_p99 delivery_p99.9 steady_delivery_p99
+//! steady_delivery_p99.9` (ms; the delivery figures `nan` without stamps).
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -73,7 +78,30 @@ fn request(body_kib: usize) -> Vec<u8> {
 /// One gap: when it ended (ms since the run started) and how long it was (µs).
 type Gap = (u32, u32);
 
-/// One stream: its event gaps, or why it failed.
+/// One stamped chunk: when it arrived (ms since the run started) and how long after
+/// the mock wrote it (µs).
+type Delivery = (u32, u32);
+
+/// The deliveries of the stamps (`: t=<unix µs>\n`) whole in `bytes`, arrived at `at_ms`.
+fn stamps(bytes: &[u8], at_ms: u32, out: &mut Vec<Delivery>) {
+    let mut from = 0;
+    while let Some(i) = memchr::memmem::find(&bytes[from..], b": t=") {
+        let digits = from + i + 4;
+        from = digits;
+        let Some(len) = memchr::memchr(b'\n', &bytes[digits..]) else {
+            break;
+        };
+        let sent = std::str::from_utf8(&bytes[digits..digits + len])
+            .ok()
+            .and_then(|d| d.parse::<u64>().ok());
+        if let Some(sent) = sent {
+            let us = sluice::clock::unix_us().saturating_sub(sent);
+            out.push((at_ms, u32::try_from(us).unwrap_or(u32::MAX)));
+        }
+    }
+}
+
+/// One stream: its event gaps and stamped deliveries, or why it failed.
 async fn stream(
     start: std::time::Instant,
     n: usize,
@@ -81,7 +109,7 @@ async fn stream(
     req: Arc<Vec<u8>>,
     gate: Arc<Semaphore>,
     counts: Arc<Counts>,
-) -> Result<Vec<Gap>, Failure> {
+) -> Result<(Vec<Gap>, Vec<Delivery>), Failure> {
     let mut conn = {
         let _permit = gate.acquire().await?;
         TcpStream::connect(&addr).await?
@@ -110,6 +138,7 @@ async fn stream(
         counts.all_open_ms.store(at as u64, Ordering::Relaxed);
     }
     let mut gaps = Vec::with_capacity(32);
+    let mut deliveries = Vec::with_capacity(32);
     let mut last: Option<std::time::Instant> = None;
     // `\n` ending the previous read: an event end split across two reads still counts.
     let mut tail_newline = false;
@@ -117,15 +146,13 @@ async fn stream(
         let ends = (*tail_newline && bytes.first() == Some(&b'\n'))
             || memchr::memmem::find(bytes, b"\n\n").is_some();
         *tail_newline = bytes.last() == Some(&b'\n');
+        let now = sluice::clock::monotonic();
+        let at_ms = u32::try_from(now.duration_since(start).as_millis()).unwrap_or(u32::MAX);
+        stamps(bytes, at_ms, &mut deliveries);
         if ends {
-            let now = sluice::clock::monotonic();
             if let Some(prev) = last {
                 let us = now.duration_since(prev).as_micros();
-                let at = now.duration_since(start).as_millis();
-                gaps.push((
-                    u32::try_from(at).unwrap_or(u32::MAX),
-                    u32::try_from(us).unwrap_or(u32::MAX),
-                ));
+                gaps.push((at_ms, u32::try_from(us).unwrap_or(u32::MAX)));
             }
             last = Some(now);
         }
@@ -141,7 +168,7 @@ async fn stream(
         take(&buf[..n], &mut tail_newline);
     }
     counts.done.fetch_add(1, Ordering::Relaxed);
-    Ok(gaps)
+    Ok((gaps, deliveries))
 }
 
 fn percentile(sorted: &[u32], p: f64) -> f64 {
@@ -164,16 +191,21 @@ async fn run(addr: String, pids: Vec<u32>, n: usize, body_kib: usize) -> Result<
     });
     let base = rss_mb(&pids);
     let all_gaps = Arc::new(Mutex::new(Vec::<Gap>::with_capacity(n * 24)));
+    let all_deliveries = Arc::new(Mutex::new(Vec::<Delivery>::with_capacity(n * 24)));
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..n {
         let (addr, req, gate, counts) = (addr.clone(), req.clone(), gate.clone(), counts.clone());
         let all_gaps = all_gaps.clone();
+        let all_deliveries = all_deliveries.clone();
         tasks.spawn(async move {
             let one = stream(start, n, addr, req, gate, counts.clone());
             match tokio::time::timeout(DEADLINE, one).await {
-                Ok(Ok(gaps)) => {
+                Ok(Ok((gaps, deliveries))) => {
                     if let Ok(mut all) = all_gaps.lock() {
                         all.extend_from_slice(&gaps);
+                    }
+                    if let Ok(mut all) = all_deliveries.lock() {
+                        all.extend_from_slice(&deliveries);
                     }
                 }
                 Ok(Err(e)) => {
@@ -213,6 +245,20 @@ async fn run(addr: String, pids: Vec<u32>, n: usize, body_kib: usize) -> Result<
         .collect();
     every.sort_unstable();
     steady.sort_unstable();
+    let deliveries = std::mem::take(
+        &mut *all_deliveries
+            .lock()
+            .map_err(|_| "delivery list poisoned")?,
+    );
+    let mut delivered: Vec<u32> = deliveries.iter().map(|d| d.1).collect();
+    // Steady state: chunks that arrived once every stream was open.
+    let mut delivered_steady: Vec<u32> = deliveries
+        .iter()
+        .filter(|(at, _)| u64::from(*at) >= all_open)
+        .map(|d| d.1)
+        .collect();
+    delivered.sort_unstable();
+    delivered_steady.sort_unstable();
     let done = counts.done.load(Ordering::Relaxed);
     let per = (peak - base) * 1024.0 / n as f64;
     let mut out = std::io::stdout().lock();
@@ -249,9 +295,19 @@ async fn run(addr: String, pids: Vec<u32>, n: usize, body_kib: usize) -> Result<
         "event gaps, once all were open ({}): p50 {s50:.1} ms, p99 {s99:.1} ms, p99.9 {s999:.1} ms, max {smax:.1} ms",
         steady.len()
     )?;
+    let (d50, d99, d999, dmax) = summary(&delivered);
+    let (_, ds99, ds999, _) = summary(&delivered_steady);
+    if !delivered.is_empty() {
+        writeln!(
+            out,
+            "chunk delivery, all ({}): p50 {d50:.2} ms, p99 {d99:.2} ms, p99.9 {d999:.2} ms, max {dmax:.2} ms; once all were open ({}): p99 {ds99:.2} ms, p99.9 {ds999:.2} ms",
+            delivered.len(),
+            delivered_steady.len()
+        )?;
+    }
     writeln!(
         out,
-        "RESULT {n} {done} {base:.1} {peak:.1} {per:.1} {p50:.1} {p99:.1} {p999:.1} {max:.1} {s99:.1} {s999:.1}"
+        "RESULT {n} {done} {base:.1} {peak:.1} {per:.1} {p50:.1} {p99:.1} {p999:.1} {max:.1} {s99:.1} {s999:.1} {d99:.2} {d999:.2} {ds99:.2} {ds999:.2}"
     )?;
     Ok(())
 }

@@ -3,7 +3,10 @@
 # chunk gaps the clients saw, directly against the mock and through Sluice, for each
 # count in BENCH_STREAMS. The mock sends 20 chunks 500 ms apart, so the expected gap is
 # 500 ms; a proxy's added delay is its p99 gap minus the direct p99 gap in the same run,
-# over the whole run and over the steady state (once every stream is open). nginx, when
+# over the whole run and over the steady state (once every stream is open). The mock
+# also stamps each chunk with the time it wrote it, so each chunk's delivery time (the
+# client's clock minus the stamp) is measured too: the added delivery p99 leaves out
+# the jitter of the mock's own timer, which the gaps carry twice. nginx, when
 # installed, holds the same streams as a plain-proxy reference.
 # The client holding the streams is bench/streams.rs (`cargo build --release --example
 # streams`; `make bench` builds it), on tokio so that its own delay stays small.
@@ -15,30 +18,31 @@ COUNTS=${BENCH_STREAMS:-"1000 8000"}
 CLIENT=${BENCH_STREAMS_CLIENT:-target/release/examples/streams}
 [ -x "$CLIENT" ] || { echo "bench: build the client first (cargo build --release --example streams)" >&2; exit 2; }
 . bench/lib.sh
-start_mock --chunks 20 --chunk-interval 500ms
+start_mock --chunks 20 --chunk-interval 500ms --stamp-chunks
 SLUICE_LOG=${SLUICE_LOG:-warn} start_sluice
 start_nginx 20000
 echo "## $(date -u +%Y-%m-%dT%H:%M:%SZ) — SSE streams, $(nproc) cores, file limit $(ulimit -n)"
 added() { awk -v a="$1" -v b="$2" 'BEGIN{printf "%.1f", a-b}'; }
+added2() { awk -v a="$1" -v b="$2" 'BEGIN{printf "%.2f", a-b}'; }
 rows=()
 for n in $COUNTS; do
   echo "### $n streams direct to the mock (baseline gaps)"
   d=$("$CLIENT" "$MOCK" "$MOCK_PID" "$n" | tee -a /dev/stderr | awk '/^RESULT/')
-  read -r _ _ ddone _ _ _ _ d99 d999 _ ds99 ds999 <<<"$d"
-  rows+=("| $n | direct | $ddone | - | - | - | $d99 / $d999 | - | $ds99 / $ds999 | - |")
+  read -r _ _ ddone _ _ _ _ d99 d999 _ ds99 ds999 dd99 dd999 dds99 dds999 <<<"$d"
+  rows+=("| $n | direct | $ddone | - | - | - | $d99 / $d999 | - | $ds99 / $ds999 | - | $dd99 / $dd999 | - | $dds99 / $dds999 | - |")
   paths=("Sluice $SLUICE $SLUICE_PID")
   [ -n "$NGINX" ] && paths+=("nginx $NGINX $(IFS=,; echo "${NGINX_PIDS[*]}")")
   for p in "${paths[@]}"; do
     read -r name addr pids <<<"$p"
     echo "### $n streams through $name"
     r=$("$CLIENT" "$addr" "$pids" "$n" | tee -a /dev/stderr | awk '/^RESULT/')
-    read -r _ _ done idle peak per _ p99 p999 _ s99 s999 <<<"$r"
-    rows+=("| $n | $name | $done | $idle | $peak | $per | $p99 / $p999 | $(added "$p99" "$d99") / $(added "$p999" "$d999") | $s99 / $s999 | $(added "$s99" "$ds99") / $(added "$s999" "$ds999") |")
+    read -r _ _ done idle peak per _ p99 p999 _ s99 s999 e99 e999 es99 es999 <<<"$r"
+    rows+=("| $n | $name | $done | $idle | $peak | $per | $p99 / $p999 | $(added "$p99" "$d99") / $(added "$p999" "$d999") | $s99 / $s999 | $(added "$s99" "$ds99") / $(added "$s999" "$ds999") | $e99 / $e999 | $(added2 "$e99" "$dd99") / $(added2 "$e999" "$dd999") | $es99 / $es999 | $(added2 "$es99" "$dds99") / $(added2 "$es999" "$dds999") |")
   done
 done
 echo
-echo "Gaps in ms; \"steady\": gaps that began once every stream was open; \"added\": minus the direct figure of the same count."
+echo "Gaps and deliveries in ms; \"steady\": gaps that began (chunks that arrived) once every stream was open; \"added\": minus the direct figure of the same count."
 echo
-echo "| streams | path | completed | RSS idle MB | peak MB | KiB per stream | gap p99 / p99.9 | added p99 / p99.9 | steady gap p99 / p99.9 | steady added p99 / p99.9 |"
-echo "|---|---|---|---|---|---|---|---|---|---|"
+echo "| streams | path | completed | RSS idle MB | peak MB | KiB per stream | gap p99 / p99.9 | added p99 / p99.9 | steady gap p99 / p99.9 | steady added p99 / p99.9 | delivery p99 / p99.9 | added delivery p99 / p99.9 | steady delivery p99 / p99.9 | steady added delivery p99 / p99.9 |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 printf '%s\n' "${rows[@]}"

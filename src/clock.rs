@@ -21,6 +21,16 @@ pub fn unix_ms() -> Millis {
     SystemClock.now_ms()
 }
 
+/// Now, in unix microseconds: the mock's chunk stamps, which the bench's stream client
+/// (another process on the same machine) subtracts from its own reading.
+#[allow(clippy::disallowed_methods)]
+pub fn unix_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
+
 pub trait Clock: Send + Sync {
     fn now_ms(&self) -> Millis;
 }

@@ -57,6 +57,8 @@ pub struct MockSettings {
     pub name: String,
     pub chunks: u32,
     pub chunk_interval: Duration,
+    /// Each streamed content chunk starts with `: t=<unix µs>\n` (an SSE comment).
+    pub stamp_chunks: bool,
 }
 
 /// The mock upstream application.
@@ -67,6 +69,7 @@ pub struct MockApp {
     name_escaped: String,
     chunks: u32,
     chunk_interval: Duration,
+    stamp_chunks: bool,
     stats: Stats,
     fault: FaultSlot,
     next_id: AtomicU64,
@@ -126,6 +129,7 @@ impl MockApp {
             name_escaped,
             chunks: settings.chunks,
             chunk_interval: settings.chunk_interval,
+            stamp_chunks: settings.stamp_chunks,
             stats: Stats::default(),
             fault: FaultSlot::default(),
             next_id: AtomicU64::new(1),
@@ -477,7 +481,10 @@ impl MockApp {
             if i > 0 && !interval.is_zero() && !pause(session, interval).await {
                 return self.aborted();
             }
-            let ev = render::stream_chunk(route, a, i);
+            let mut ev = render::stream_chunk(route, a, i);
+            if self.stamp_chunks {
+                ev = render::stamped(&ev, crate::clock::unix_us());
+            }
             if session.write_response_body(ev, false).await.is_err() {
                 return self.aborted();
             }
@@ -609,6 +616,7 @@ mod tests {
                 name: "unit".into(),
                 chunks: 3,
                 chunk_interval: Duration::from_millis(1),
+                stamp_chunks: false,
             })
             .unwrap(),
         )
@@ -691,6 +699,48 @@ mod tests {
 
     const CHAT: &str = "/v1/chat/completions";
     const MESSAGES: &str = "/v1/messages";
+
+    #[tokio::test]
+    async fn stamped_chunks_carry_their_write_time_in_a_comment_line() {
+        let app = Arc::new(
+            MockApp::new(MockSettings {
+                name: "unit".into(),
+                chunks: 3,
+                chunk_interval: Duration::from_millis(1),
+                stamp_chunks: true,
+            })
+            .unwrap(),
+        );
+        let addr = serve(app).await;
+        let before = crate::clock::unix_us();
+        let mut sock = send(addr, CHAT, &[], r#"{"model":"m","stream":true}"#).await;
+        let mut out = Vec::new();
+        tokio::time::timeout(IO_LIMIT, sock.read_to_end(&mut out))
+            .await
+            .expect("the mock answered in time")
+            .unwrap();
+        let after = crate::clock::unix_us();
+        let text = String::from_utf8(out).unwrap();
+        let stamps: Vec<u64> = text
+            .split(": t=")
+            .skip(1)
+            .map(|rest| {
+                let (digits, next) = rest.split_once('\n').expect("a stamp line ends");
+                assert!(
+                    next.starts_with("data: {"),
+                    "a content event follows: {next:?}"
+                );
+                digits.parse().expect("a stamp is a number")
+            })
+            .collect();
+        assert_eq!(stamps.len(), 3, "one stamp per content chunk: {text}");
+        assert!(stamps.windows(2).all(|w| w[0] <= w[1]), "{stamps:?}");
+        assert!(
+            stamps.iter().all(|t| (before..=after).contains(t)),
+            "{stamps:?}"
+        );
+        assert!(text.contains("data: [DONE]"), "{text}");
+    }
 
     #[tokio::test]
     async fn header_fault_conditions_pick_the_request() {

@@ -56,6 +56,10 @@ pub struct Cli {
     /// Pause between streamed content chunks (humantime, e.g. 20ms).
     #[arg(long, default_value = "20ms", value_parser = humantime::parse_duration)]
     pub chunk_interval: Duration,
+    /// Start every streamed content chunk with an SSE comment line `: t=<unix µs>`, the
+    /// time it was written (the streams bench measures each chunk's delivery with it).
+    #[arg(long)]
+    pub stamp_chunks: bool,
     /// Process fault, e.g. `status=503;times=2` (see the module docs for keys).
     #[arg(long, value_name = "SPEC", value_parser = Fault::parse)]
     pub fault: Option<Fault>,
@@ -133,6 +137,7 @@ pub fn run(cli: Cli) -> Result<std::convert::Infallible, StartError> {
         name: cli.name.clone(),
         chunks: cli.chunks,
         chunk_interval: cli.chunk_interval,
+        stamp_chunks: cli.stamp_chunks,
     })
     .map_err(|message| StartError { code: 2, message })?;
     if let Some(f) = cli.fault.clone() {

@@ -52,6 +52,14 @@ pub fn piece(buf: &mut Vec<u8>, name: &str, i: u32) {
     }
 }
 
+/// `event` after an SSE comment line holding `unix_us` (`: t=1796592687123456`).
+pub fn stamped(event: &[u8], unix_us: u64) -> Bytes {
+    let mut b = Vec::with_capacity(event.len() + 24);
+    let _ = writeln!(b, ": t={unix_us}");
+    b.extend_from_slice(event);
+    Bytes::from(b)
+}
+
 /// Writes the whole answer text as a quoted JSON string.
 fn push_text(buf: &mut Vec<u8>, a: &Answer<'_>) {
     buf.push(b'"');
