@@ -20,7 +20,7 @@
 //! how late the mock's own timer fired, so a proxy's added delay shows through less
 //! noise. The last line is `RESULT n completed idle_mb peak_mb kib_per_stream p50 p99
 //! p99.9 max steady_p99 steady_p99.9 delivery_p99 delivery_p99.9 steady_delivery_p99
-//! steady_delivery_p99.9` (ms; the delivery figures `nan` without stamps).
+//! steady_delivery_p99.9` (ms; the delivery figures `NaN` without stamps).
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -82,6 +82,29 @@ type Gap = (u32, u32);
 /// the mock wrote it (µs).
 type Delivery = (u32, u32);
 
+/// What the streams measured: every gap and every stamped delivery.
+#[derive(Default)]
+struct Samples {
+    gaps: Vec<Gap>,
+    deliveries: Vec<Delivery>,
+}
+
+impl Samples {
+    fn append(&mut self, other: Samples) {
+        self.gaps.extend_from_slice(&other.gaps);
+        self.deliveries.extend_from_slice(&other.deliveries);
+    }
+}
+
+/// The durations (µs) of `samples`, sorted: all of them, and those `steady` keeps.
+fn sorted(samples: &[(u32, u32)], steady: impl Fn(&(u32, u32)) -> bool) -> (Vec<u32>, Vec<u32>) {
+    let mut all: Vec<u32> = samples.iter().map(|s| s.1).collect();
+    let mut kept: Vec<u32> = samples.iter().filter(|s| steady(s)).map(|s| s.1).collect();
+    all.sort_unstable();
+    kept.sort_unstable();
+    (all, kept)
+}
+
 /// The deliveries of the stamps (`: t=<unix µs>\n`) whole in `bytes`, arrived at `at_ms`.
 fn stamps(bytes: &[u8], at_ms: u32, out: &mut Vec<Delivery>) {
     let mut from = 0;
@@ -109,7 +132,7 @@ async fn stream(
     req: Arc<Vec<u8>>,
     gate: Arc<Semaphore>,
     counts: Arc<Counts>,
-) -> Result<(Vec<Gap>, Vec<Delivery>), Failure> {
+) -> Result<Samples, Failure> {
     let mut conn = {
         let _permit = gate.acquire().await?;
         TcpStream::connect(&addr).await?
@@ -168,7 +191,7 @@ async fn stream(
         take(&buf[..n], &mut tail_newline);
     }
     counts.done.fetch_add(1, Ordering::Relaxed);
-    Ok((gaps, deliveries))
+    Ok(Samples { gaps, deliveries })
 }
 
 fn percentile(sorted: &[u32], p: f64) -> f64 {
@@ -190,22 +213,20 @@ async fn run(addr: String, pids: Vec<u32>, n: usize, body_kib: usize) -> Result<
         all_open_ms: AtomicU64::new(u64::MAX),
     });
     let base = rss_mb(&pids);
-    let all_gaps = Arc::new(Mutex::new(Vec::<Gap>::with_capacity(n * 24)));
-    let all_deliveries = Arc::new(Mutex::new(Vec::<Delivery>::with_capacity(n * 24)));
+    let all = Arc::new(Mutex::new(Samples {
+        gaps: Vec::with_capacity(n * 24),
+        deliveries: Vec::with_capacity(n * 24),
+    }));
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..n {
         let (addr, req, gate, counts) = (addr.clone(), req.clone(), gate.clone(), counts.clone());
-        let all_gaps = all_gaps.clone();
-        let all_deliveries = all_deliveries.clone();
+        let all = all.clone();
         tasks.spawn(async move {
             let one = stream(start, n, addr, req, gate, counts.clone());
             match tokio::time::timeout(DEADLINE, one).await {
-                Ok(Ok((gaps, deliveries))) => {
-                    if let Ok(mut all) = all_gaps.lock() {
-                        all.extend_from_slice(&gaps);
-                    }
-                    if let Ok(mut all) = all_deliveries.lock() {
-                        all.extend_from_slice(&deliveries);
+                Ok(Ok(samples)) => {
+                    if let Ok(mut all) = all.lock() {
+                        all.append(samples);
                     }
                 }
                 Ok(Err(e)) => {
@@ -234,31 +255,15 @@ async fn run(addr: String, pids: Vec<u32>, n: usize, body_kib: usize) -> Result<
             }
         }
     }
-    let gaps = std::mem::take(&mut *all_gaps.lock().map_err(|_| "gap list poisoned")?);
+    let samples = std::mem::take(&mut *all.lock().map_err(|_| "sample lists poisoned")?);
     let all_open = counts.all_open_ms.load(Ordering::Relaxed);
-    let mut every: Vec<u32> = gaps.iter().map(|g| g.1).collect();
-    // Steady state: gaps that began once every stream was open (no connects in flight).
-    let mut steady: Vec<u32> = gaps
-        .iter()
-        .filter(|(end, us)| u64::from(*end).saturating_sub(u64::from(*us / 1000)) >= all_open)
-        .map(|g| g.1)
-        .collect();
-    every.sort_unstable();
-    steady.sort_unstable();
-    let deliveries = std::mem::take(
-        &mut *all_deliveries
-            .lock()
-            .map_err(|_| "delivery list poisoned")?,
-    );
-    let mut delivered: Vec<u32> = deliveries.iter().map(|d| d.1).collect();
-    // Steady state: chunks that arrived once every stream was open.
-    let mut delivered_steady: Vec<u32> = deliveries
-        .iter()
-        .filter(|(at, _)| u64::from(*at) >= all_open)
-        .map(|d| d.1)
-        .collect();
-    delivered.sort_unstable();
-    delivered_steady.sort_unstable();
+    // Steady state: gaps that began, and chunks that arrived, once every stream was open
+    // (no connects in flight).
+    let (every, steady) = sorted(&samples.gaps, |(end, us)| {
+        u64::from(*end).saturating_sub(u64::from(*us / 1000)) >= all_open
+    });
+    let (delivered, delivered_steady) =
+        sorted(&samples.deliveries, |(at, _)| u64::from(*at) >= all_open);
     let done = counts.done.load(Ordering::Relaxed);
     let per = (peak - base) * 1024.0 / n as f64;
     let mut out = std::io::stdout().lock();

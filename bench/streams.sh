@@ -22,8 +22,8 @@ start_mock --chunks 20 --chunk-interval 500ms --stamp-chunks
 SLUICE_LOG=${SLUICE_LOG:-warn} start_sluice
 start_nginx 20000
 echo "## $(date -u +%Y-%m-%dT%H:%M:%SZ) — SSE streams, $(nproc) cores, file limit $(ulimit -n)"
-added() { awk -v a="$1" -v b="$2" 'BEGIN{printf "%.1f", a-b}'; }
-added2() { awk -v a="$1" -v b="$2" 'BEGIN{printf "%.2f", a-b}'; }
+# added A B [DECIMALS] -> A - B, with one decimal unless told
+added() { awk -v a="$1" -v b="$2" -v f="%.${3:-1}f" 'BEGIN{printf f, a-b}'; }
 rows=()
 for n in $COUNTS; do
   echo "### $n streams direct to the mock (baseline gaps)"
@@ -37,7 +37,7 @@ for n in $COUNTS; do
     echo "### $n streams through $name"
     r=$("$CLIENT" "$addr" "$pids" "$n" | tee -a /dev/stderr | awk '/^RESULT/')
     read -r _ _ done idle peak per _ p99 p999 _ s99 s999 e99 e999 es99 es999 <<<"$r"
-    rows+=("| $n | $name | $done | $idle | $peak | $per | $p99 / $p999 | $(added "$p99" "$d99") / $(added "$p999" "$d999") | $s99 / $s999 | $(added "$s99" "$ds99") / $(added "$s999" "$ds999") | $e99 / $e999 | $(added2 "$e99" "$dd99") / $(added2 "$e999" "$dd999") | $es99 / $es999 | $(added2 "$es99" "$dds99") / $(added2 "$es999" "$dds999") |")
+    rows+=("| $n | $name | $done | $idle | $peak | $per | $p99 / $p999 | $(added "$p99" "$d99") / $(added "$p999" "$d999") | $s99 / $s999 | $(added "$s99" "$ds99") / $(added "$s999" "$ds999") | $e99 / $e999 | $(added "$e99" "$dd99" 2) / $(added "$e999" "$dd999" 2) | $es99 / $es999 | $(added "$es99" "$dds99" 2) / $(added "$es999" "$dds999" 2) |")
   done
 done
 echo

@@ -39,12 +39,8 @@ pub trait Clock: Send + Sync {
 pub struct SystemClock;
 
 impl Clock for SystemClock {
-    #[allow(clippy::disallowed_methods)]
     fn now_ms(&self) -> Millis {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0)
+        unix_us() / 1000
     }
 }
 
