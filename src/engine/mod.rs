@@ -134,7 +134,10 @@ impl Snapshot {
         let routing = config
             .models
             .iter()
-            .map(|m| Mutex::new(ModelRouting::new(m.targets.len())))
+            .map(|m| {
+                let weights: Vec<u32> = m.targets.iter().map(|t| t.weight).collect();
+                Mutex::new(ModelRouting::new(&weights))
+            })
             .collect();
         let fingerprints = config
             .providers

@@ -5,7 +5,8 @@
 //! The full evaluation ([`super::select::evaluate`]) checks every (target, connection)
 //! and lists each exclusion; it is what an answer without a pick needs. When things go
 //! well, a strategy needs much less: `priority` and `round-robin` stop at the first
-//! target with a usable connection, the other target-level strategies check each
+//! target with a usable connection, `weighted` checks the target whose turn it is, the
+//! other target-level strategies check each
 //! target's connections in rotation order up to the first usable one, `p2c` draws its two views by rejection sampling, `least-used`
 //! and `fill-first` read counters and check only the candidates that would win.
 //! Invariant: a pick made here is one the full evaluation followed by the strategy
@@ -83,7 +84,12 @@ pub(super) fn pick(
         Strategy::Priority => s
             .first_single()
             .or_else(|| s.target_level(m.strategy, &mut routing())),
-        Strategy::Weighted | Strategy::RoundRobin | Strategy::Random | Strategy::CostOptimized => {
+        Strategy::Weighted => {
+            let mut r = routing();
+            s.weighted_turn(&mut r)
+                .or_else(|| s.target_level(m.strategy, &mut r))
+        }
+        Strategy::RoundRobin | Strategy::Random | Strategy::CostOptimized => {
             s.target_level(m.strategy, &mut routing())
         }
         Strategy::LeastUsed => s.least_used(&mut routing()),
@@ -213,6 +219,18 @@ impl Short<'_> {
         Some(c)
     }
 
+    /// `weighted` when the target whose turn it is can take the pick: only that target
+    /// is checked. Otherwise nothing moves and the caller offers every target.
+    fn weighted_turn(&self, routing: &mut ModelRouting) -> Option<Candidate> {
+        let ti = routing.weighted_turn()?;
+        let c = self
+            .healthy_gate(ti)
+            .and_then(|g| self.first_in_rotation(ti, g, routing))?;
+        routing.take_weighted_turn(ti);
+        routing.picked_connection(ti, c.connection);
+        Some(c)
+    }
+
     /// The model's slots, in (target, connection) order.
     fn slots(&self) -> &[Slot] {
         self.ctx
@@ -268,28 +286,34 @@ impl Short<'_> {
     /// least load, so the levels are tried from the lowest up: the first level with a
     /// healthy runnable view holds the lowest load among them. Gives up after a few
     /// levels. Only the slots at a level are checked, so the scan reads counters only.
+    /// No load is below zero, so an idle runnable view found in rotation order is the
+    /// pick without the lowest level being looked for: with idle connections about,
+    /// the scan stops a few slots after the rotation point however many there are.
     fn least_used(&self, routing: &mut ModelRouting) -> Option<Candidate> {
         let slots = self.slots();
         let after = routing.last_rotated().map_or(0, |k| {
             slots.partition_point(|s| (s.target, s.connection) <= k)
         });
         let order = || slots[after..].iter().chain(&slots[..after]);
-        let mut floor = None;
-        for _ in 0..LEAST_USED_LEVELS {
-            let level = slots
-                .iter()
-                .filter(|s| self.offered(s))
-                .map(|s| s.limits.inflight())
-                .filter(|&n| floor.is_none_or(|f| n > f))
-                .min()?;
-            let found = order()
-                .filter(|s| s.limits.inflight() == level && self.offered(s))
-                .find_map(|s| self.runnable(s.target, s.connection, self.healthy_gate(s.target)?));
-            if let Some(c) = found {
+        let at = |level: u32, s: &Slot| {
+            if s.limits.inflight() != level || !self.offered(s) {
+                return None;
+            }
+            self.runnable(s.target, s.connection, self.healthy_gate(s.target)?)
+        };
+        // Level 0 first, then each next level present, up to a few.
+        let mut level = 0;
+        for _ in 0..=LEAST_USED_LEVELS {
+            if let Some(c) = order().find_map(|s| at(level, s)) {
                 routing.rotated((c.target, c.connection));
                 return Some(c);
             }
-            floor = Some(level);
+            level = slots
+                .iter()
+                .filter(|s| self.offered(s))
+                .map(|s| s.limits.inflight())
+                .filter(|&n| n > level)
+                .min()?;
         }
         None
     }

@@ -61,8 +61,16 @@ pub struct View {
 /// Mutable routing state of one model.
 #[derive(Debug, Default, Clone)]
 pub struct ModelRouting {
-    /// Smooth weighted round-robin "current weight" per target index.
+    /// Each target's configured weight, by target index.
+    weights: Vec<u32>,
+    /// Sum of `weights`.
+    total: i64,
+    /// Smooth weighted round-robin "current weight" per target, over all the model's
+    /// targets: it says whose turn it is ([`ModelRouting::weighted_turn`]).
     current: Vec<i64>,
+    /// The same over the offered targets only, used while the target whose turn it is
+    /// cannot take the pick.
+    spare: Vec<i64>,
     /// Next start position for round-robin over target indices.
     rr_next: usize,
     /// Next connection position per target index.
@@ -72,9 +80,14 @@ pub struct ModelRouting {
 }
 
 impl ModelRouting {
-    pub fn new(targets: usize) -> Self {
+    /// The routing state of a model whose targets have these weights (in target order).
+    pub fn new(weights: &[u32]) -> Self {
+        let targets = weights.len();
         Self {
+            weights: weights.to_vec(),
+            total: weights.iter().map(|&w| i64::from(w)).sum(),
             current: vec![0; targets],
+            spare: vec![0; targets],
             rr_next: 0,
             conn_next: vec![0; targets],
             view_last: None,
@@ -173,7 +186,7 @@ impl ModelRouting {
     /// The first offered target at or after the rotation point, wrapping.
     fn round_robin(&mut self, offers: &[Offer]) -> usize {
         let highest = offers.iter().map(|o| o.target).max().unwrap_or(0);
-        let n = self.current.len().max(highest + 1);
+        let n = self.weights.len().max(highest + 1);
         let start = self.rr_next % n;
         let best = offers
             .iter()
@@ -183,25 +196,65 @@ impl ModelRouting {
         best
     }
 
-    /// nginx-style smooth weighted round-robin over the offered subset: every offered
-    /// target gains its weight, the largest wins and pays back the offered total. Over
-    /// any window of `sum(weights)` picks each target is chosen `weight` times.
+    /// `weighted`: nginx-style smooth weighted round-robin. The turn goes round all the
+    /// model's targets (every target gains its weight, the largest wins and pays back
+    /// the total), so over any `sum(weights)` turns each target has `weight` of them.
+    /// When the target whose turn it is is not offered, the turn waits for it (nothing
+    /// moves) and the pick is made by a second smooth weighted round-robin over the
+    /// offered targets only: while a target is out, the others share its picks in
+    /// proportion to their weights, and it gets no backlog when it returns. A caller
+    /// that checks only the turn's target ([`ModelRouting::weighted_turn`]) and finds
+    /// it usable makes the pick this makes from any offer that includes it.
     fn smooth_weighted(&mut self, offers: &[Offer]) -> usize {
-        let total: i64 = offers.iter().map(|o| o.weight as i64).sum();
+        if let Some(turn) = self
+            .weighted_turn()
+            .filter(|&t| offers.iter().any(|o| o.target == t))
+        {
+            self.take_weighted_turn(turn);
+            return turn;
+        }
+        let total: i64 = offers.iter().map(|o| i64::from(o.weight)).sum();
         let mut best = offers[0].target;
         let mut best_w = i64::MIN;
         for o in offers {
-            if o.target >= self.current.len() {
-                self.current.resize(o.target + 1, 0);
+            if o.target >= self.spare.len() {
+                self.spare.resize(o.target + 1, 0);
             }
-            self.current[o.target] += o.weight as i64;
-            if self.current[o.target] > best_w {
-                best_w = self.current[o.target];
+            self.spare[o.target] += i64::from(o.weight);
+            if self.spare[o.target] > best_w {
+                best_w = self.spare[o.target];
                 best = o.target;
             }
         }
-        self.current[best] -= total;
+        self.spare[best] -= total;
         best
+    }
+
+    /// Whose turn it is in the smooth weighted round-robin over all the model's
+    /// targets: the largest current weight after the gain, the first on a tie. Reading
+    /// it changes nothing; `None` for a model without targets.
+    pub fn weighted_turn(&self) -> Option<usize> {
+        let mut best = None;
+        let mut best_w = i64::MIN;
+        for (t, (&c, &w)) in self.current.iter().zip(&self.weights).enumerate() {
+            let v = c + i64::from(w);
+            if v > best_w {
+                best_w = v;
+                best = Some(t);
+            }
+        }
+        best
+    }
+
+    /// Gives the turn to `turn` (the value of [`ModelRouting::weighted_turn`]): every
+    /// target gains its weight and `turn` pays back the total.
+    pub fn take_weighted_turn(&mut self, turn: usize) {
+        for (c, &w) in self.current.iter_mut().zip(&self.weights) {
+            *c += i64::from(w);
+        }
+        if let Some(c) = self.current.get_mut(turn) {
+            *c -= self.total;
+        }
     }
 
     /// Rotates through the offered connection indices of `target`, round-robin: the
@@ -239,7 +292,7 @@ impl ModelRouting {
 
     /// Where round-robin over `targets` targets starts (the first target to offer).
     pub fn round_robin_start(&self, targets: usize) -> usize {
-        self.rr_next % self.current.len().max(targets).max(1)
+        self.rr_next % self.weights.len().max(targets).max(1)
     }
 
     /// (target, connection) of the last pick of a load-aware tie rotation.
@@ -286,7 +339,7 @@ mod tests {
 
     #[test]
     fn priority_takes_first_offered() {
-        let mut r = ModelRouting::new(3);
+        let mut r = ModelRouting::new(&[1; 3]);
         let o = &offers(&[1, 1, 1])[1..];
         assert_eq!(r.pick(Strategy::Priority, o, 0.0), Some(1));
         assert_eq!(r.pick(Strategy::Priority, &[], 0.0), None);
@@ -294,7 +347,7 @@ mod tests {
 
     #[test]
     fn weighted_matches_weights_exactly_per_cycle() {
-        let mut r = ModelRouting::new(3);
+        let mut r = ModelRouting::new(&[5, 1, 1]);
         let o = offers(&[5, 1, 1]);
         let mut counts = [0; 3];
         let mut seq = Vec::new();
@@ -309,8 +362,46 @@ mod tests {
     }
 
     #[test]
+    fn weighted_shares_an_absent_target_by_weight_and_owes_it_nothing() {
+        let mut r = ModelRouting::new(&[2, 3, 5]);
+        let all = offers(&[2, 3, 5]);
+        let without_2 = &all[..2];
+        let mut counts = [0u32; 3];
+        for _ in 0..1000 {
+            counts[r.pick(Strategy::Weighted, without_2, 0.0).unwrap()] += 1;
+        }
+        // 2 : 3 between the two left (a few picks by turn before target 2's came).
+        assert!(counts[2] == 0 && counts[0].abs_diff(400) <= 3, "{counts:?}");
+        // Back: the cycle goes on where it stopped, no catching up on missed turns.
+        let mut back = [0; 3];
+        for _ in 0..10 {
+            back[r.pick(Strategy::Weighted, &all, 0.0).unwrap()] += 1;
+        }
+        assert_eq!(back, [2, 3, 5]);
+    }
+
+    #[test]
+    fn the_weighted_turn_is_the_pick_of_any_offer_holding_it() {
+        let all = offers(&[4, 1, 2, 3]);
+        let mut r = ModelRouting::new(&[4, 1, 2, 3]);
+        for i in 0..50 {
+            let turn = r.weighted_turn().unwrap();
+            // An offer with the turn's target and some others, varying.
+            let some: Vec<Offer> = all
+                .iter()
+                .copied()
+                .filter(|o| o.target == turn || (o.target + i) % 3 == 0)
+                .collect();
+            let mut by_turn = r.clone();
+            by_turn.take_weighted_turn(turn);
+            assert_eq!(r.pick(Strategy::Weighted, &some, 0.0), Some(turn));
+            assert_eq!(format!("{r:?}"), format!("{by_turn:?}"));
+        }
+    }
+
+    #[test]
     fn round_robin_rotates_and_skips_missing() {
-        let mut r = ModelRouting::new(3);
+        let mut r = ModelRouting::new(&[1; 3]);
         let all = offers(&[1, 1, 1]);
         let picks: Vec<_> = (0..6)
             .map(|_| r.pick(Strategy::RoundRobin, &all, 0.0).unwrap())
@@ -323,7 +414,7 @@ mod tests {
 
     #[test]
     fn cost_optimized_prefers_cheapest_then_order() {
-        let mut r = ModelRouting::new(3);
+        let mut r = ModelRouting::new(&[1; 3]);
         let o = vec![
             Offer {
                 target: 0,
@@ -347,7 +438,7 @@ mod tests {
 
     #[test]
     fn random_stays_in_range() {
-        let mut r = ModelRouting::new(2);
+        let mut r = ModelRouting::new(&[1; 2]);
         let o = offers(&[1, 1]);
         assert_eq!(r.pick(Strategy::Random, &o, 0.0), Some(0));
         assert_eq!(r.pick(Strategy::Random, &o, 0.99), Some(1));
@@ -356,7 +447,7 @@ mod tests {
 
     #[test]
     fn connections_rotate_over_offered() {
-        let mut r = ModelRouting::new(1);
+        let mut r = ModelRouting::new(&[1; 1]);
         let picks: Vec<_> = (0..4)
             .map(|_| r.pick_connection(0, &[0, 1, 2]).unwrap())
             .collect();

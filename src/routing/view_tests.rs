@@ -47,14 +47,14 @@ fn keys(views: &[View], picks: &[usize]) -> Vec<(usize, usize)> {
 #[test]
 fn empty_views_give_none_for_every_strategy() {
     for s in Strategy::ALL {
-        let mut r = ModelRouting::new(2);
+        let mut r = ModelRouting::new(&[1; 2]);
         assert_eq!(r.pick_view(s, &[], (0.5, 0.5), 1.0), None, "{s:?}");
     }
 }
 
 #[test]
 fn priority_takes_the_first_target_and_rotates_its_connections() {
-    let mut r = ModelRouting::new(3);
+    let mut r = ModelRouting::new(&[1; 3]);
     // Offered out of order: target order rules, not slice order.
     let views = vec![view(2, 0), view(1, 1), view(1, 0)];
     let picks: Vec<_> = (0..4)
@@ -65,7 +65,7 @@ fn priority_takes_the_first_target_and_rotates_its_connections() {
 
 #[test]
 fn weighted_matches_weights_exactly_per_cycle() {
-    let mut r = ModelRouting::new(3);
+    let mut r = ModelRouting::new(&[5, 1, 1]);
     let mut views = weighted(&[5, 1, 1]);
     views.push(View {
         weight: 5,
@@ -86,7 +86,7 @@ fn weighted_matches_weights_exactly_per_cycle() {
 #[test]
 fn weighted_cycle_is_exact_for_several_weight_sets() {
     for ws in [&[1u32, 1][..], &[3, 1], &[2, 3, 5], &[10, 1, 1, 1]] {
-        let mut r = ModelRouting::new(ws.len());
+        let mut r = ModelRouting::new(ws);
         let views = weighted(ws);
         let total: u32 = ws.iter().sum();
         let mut counts = vec![0u32; ws.len()];
@@ -100,7 +100,7 @@ fn weighted_cycle_is_exact_for_several_weight_sets() {
 
 #[test]
 fn round_robin_rotates_targets_then_connections() {
-    let mut r = ModelRouting::new(3);
+    let mut r = ModelRouting::new(&[1; 3]);
     let views = vec![view(0, 0), view(0, 1), view(1, 0), view(2, 0)];
     let picks: Vec<_> = (0..6)
         .map(|_| pick(&mut r, Strategy::RoundRobin, &views))
@@ -119,7 +119,7 @@ fn round_robin_rotates_targets_then_connections() {
 
 #[test]
 fn random_is_uniform_over_targets() {
-    let mut r = ModelRouting::new(4);
+    let mut r = ModelRouting::new(&[1; 4]);
     // Target 0 has three connections: still one quarter of the picks.
     let views = vec![
         view(0, 0),
@@ -151,7 +151,7 @@ fn random_is_uniform_over_targets() {
 
 #[test]
 fn cost_optimized_takes_cheapest_then_order_and_unknown_last() {
-    let mut r = ModelRouting::new(4);
+    let mut r = ModelRouting::new(&[1; 4]);
     let priced = |t, cost| View { cost, ..view(t, 0) };
     type Priced = (usize, Option<f64>);
     let cases: &[(&[Priced], usize)] = &[
@@ -171,7 +171,7 @@ fn cost_optimized_takes_cheapest_then_order_and_unknown_last() {
 
 #[test]
 fn least_used_picks_the_minimum() {
-    let mut r = ModelRouting::new(3);
+    let mut r = ModelRouting::new(&[1; 3]);
     let loaded = |t, c, n| View {
         inflight: n,
         ..view(t, c)
@@ -194,7 +194,7 @@ fn least_used_picks_the_minimum() {
 
 #[test]
 fn least_used_spreads_ties_and_equal_load() {
-    let mut r = ModelRouting::new(2);
+    let mut r = ModelRouting::new(&[1; 2]);
     let views = vec![
         View {
             inflight: 2,
@@ -214,7 +214,7 @@ fn least_used_spreads_ties_and_equal_load() {
 
     // Simulated load that never finishes: every view ends with the same count and the
     // spread never exceeds one.
-    let mut r = ModelRouting::new(2);
+    let mut r = ModelRouting::new(&[1; 2]);
     let mut views = vec![view(0, 0), view(0, 1), view(1, 0), view(1, 1)];
     for _ in 0..12 {
         let i = pick(&mut r, Strategy::LeastUsed, &views);
@@ -229,7 +229,7 @@ fn least_used_spreads_ties_and_equal_load() {
 
 #[test]
 fn p2c_never_picks_the_strictly_worse_of_two() {
-    let mut r = ModelRouting::new(2);
+    let mut r = ModelRouting::new(&[1; 2]);
     let views = vec![
         View {
             inflight: 3,
@@ -255,7 +255,7 @@ fn p2c_never_picks_the_strictly_worse_of_two() {
 
 #[test]
 fn p2c_latency_weight_flips_the_choice() {
-    let mut r = ModelRouting::new(2);
+    let mut r = ModelRouting::new(&[1; 2]);
     // Idle but slow vs. one in flight but fast.
     let views = vec![
         View {
@@ -290,7 +290,7 @@ fn p2c_latency_weight_flips_the_choice() {
 
 #[test]
 fn p2c_draws_two_distinct_views_uniformly() {
-    let mut r = ModelRouting::new(3);
+    let mut r = ModelRouting::new(&[1; 3]);
     // Equal scores: the first draw wins, so the first draw's distribution shows.
     let views = vec![view(0, 0), view(1, 0), view(2, 0)];
     let mut counts = [0; 3];
@@ -330,7 +330,7 @@ fn p2c_draws_two_distinct_views_uniformly() {
 
 #[test]
 fn fill_first_fills_to_cap_then_spills() {
-    let mut r = ModelRouting::new(2);
+    let mut r = ModelRouting::new(&[1; 2]);
     // Offered out of order on purpose.
     let mut views = vec![
         view(1, 0),
@@ -369,7 +369,7 @@ fn fill_first_fills_to_cap_then_spills() {
 
 #[test]
 fn fill_first_when_all_full_takes_lowest_ratio() {
-    let mut r = ModelRouting::new(3);
+    let mut r = ModelRouting::new(&[1; 3]);
     let full = |t, inflight, cap| View {
         inflight,
         cap: Some(cap),
@@ -410,7 +410,7 @@ fn reset_aware_orders_known_then_unknown_then_exhausted() {
     // Repeatedly pick and remove: the removal order is the ranking.
     let mut left = views.clone();
     let mut order = Vec::new();
-    let mut r = ModelRouting::new(8);
+    let mut r = ModelRouting::new(&[1; 8]);
     while !left.is_empty() {
         let i = pick(&mut r, Strategy::ResetAware, &left);
         order.push(left.remove(i).target);
@@ -420,7 +420,7 @@ fn reset_aware_orders_known_then_unknown_then_exhausted() {
 
 #[test]
 fn reset_aware_rotates_exact_ties() {
-    let mut r = ModelRouting::new(3);
+    let mut r = ModelRouting::new(&[1; 3]);
     let views = vec![view(0, 0), view(1, 0), view(2, 0)];
     let picks: Vec<_> = (0..6)
         .map(|_| pick(&mut r, Strategy::ResetAware, &views))
@@ -459,7 +459,7 @@ fn degraded_views_are_avoided_while_others_exist() {
         if s == Strategy::Priority {
             continue;
         }
-        let mut r = ModelRouting::new(3);
+        let mut r = ModelRouting::new(&[1; 3]);
         for k in 0..50 {
             let draw = (k as f64 / 50.0, (49 - k) as f64 / 50.0);
             let i = r.pick_view(s, &others, draw, 1.0).unwrap();
@@ -476,7 +476,7 @@ fn degraded_views_are_avoided_while_others_exist() {
         assert!(r.pick_view(s, &all_degraded, (0.3, 0.7), 1.0).is_some());
     }
     // Priority keeps order even when the first target is degraded.
-    let mut r = ModelRouting::new(3);
+    let mut r = ModelRouting::new(&[1; 3]);
     assert_eq!(
         r.pick_view(Strategy::Priority, &others, (0.0, 0.0), 0.0),
         Some(0)
@@ -492,7 +492,7 @@ fn old_target_api_still_works_for_new_strategies() {
             cost: None,
         })
         .collect();
-    let mut r = ModelRouting::new(3);
+    let mut r = ModelRouting::new(&[1; 3]);
     assert_eq!(r.pick(Strategy::FillFirst, &offers, 0.9), Some(0));
     assert_eq!(r.pick(Strategy::ResetAware, &offers, 0.9), Some(0));
     assert_eq!(r.pick(Strategy::P2c, &offers, 0.9), Some(2));
@@ -553,10 +553,10 @@ proptest! {
             ),
             1..12,
         ),
-        targets in 0usize..4,
+        weights in proptest::collection::vec(1u32..5, 0..4),
     ) {
         // One routing state across rounds with changing offers, as in the engine.
-        let mut r = ModelRouting::new(targets);
+        let mut r = ModelRouting::new(&weights);
         for (views, s, draw, weight) in rounds {
             let strategy = Strategy::ALL[s];
             let got = r.pick_view(strategy, &views, draw, weight);
