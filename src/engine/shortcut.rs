@@ -32,8 +32,8 @@ use std::cell::OnceCell;
 /// Draws per `p2c` view before giving up on sampling.
 const P2C_DRAWS: usize = 8;
 
-/// Load levels `least-used` tries before giving up.
-const LEAST_USED_LEVELS: usize = 4;
+/// Load levels `least-used` tries, idle first, before giving up.
+const LEAST_USED_LEVELS: usize = 5;
 
 /// The pick the strategy would make, or `None` to evaluate in full. `pin` is the
 /// session's pinned `provider/connection`, preferred when it is runnable.
@@ -301,19 +301,26 @@ impl Short<'_> {
             }
             self.runnable(s.target, s.connection, self.healthy_gate(s.target)?)
         };
-        // Level 0 first, then each next level present, up to a few.
-        let mut level = 0;
-        for _ in 0..=LEAST_USED_LEVELS {
-            if let Some(c) = order().find_map(|s| at(level, s)) {
-                routing.rotated((c.target, c.connection));
-                return Some(c);
-            }
-            level = slots
+        // The lowest offered load above `level`.
+        let next = |level: u32| {
+            slots
                 .iter()
                 .filter(|s| self.offered(s))
                 .map(|s| s.limits.inflight())
                 .filter(|&n| n > level)
-                .min()?;
+                .min()
+        };
+        // Idle first, then each next level present, up to a few.
+        let mut level = 0;
+        for pass in 1..=LEAST_USED_LEVELS {
+            if let Some(c) = order().find_map(|s| at(level, s)) {
+                routing.rotated((c.target, c.connection));
+                return Some(c);
+            }
+            if pass == LEAST_USED_LEVELS {
+                break;
+            }
+            level = next(level)?;
         }
         None
     }
