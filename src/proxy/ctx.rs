@@ -11,6 +11,7 @@ use crate::config::{Client, Family};
 use crate::engine::{Engine, Pick, Snapshot};
 use crate::http1::RequestHead;
 use crate::policy::lease::Lease;
+use crate::policy::Millis;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -37,6 +38,9 @@ pub struct Request<'a> {
 /// for the request's life: one reference count taken per request, not one per phase).
 pub struct RequestCtx<'s> {
     pub started: Instant,
+    /// One wall-clock reading and the monotonic instant it was taken at (set when the
+    /// attempts begin): later wall-clock times of the request are read off it.
+    pub wall: Option<(Millis, Instant)>,
     pub route: Option<Route>,
     /// The configuration the request is served under, once it has one.
     pub snap: Option<&'s Snapshot>,
@@ -61,6 +65,7 @@ impl RequestCtx<'_> {
     pub fn new(started: Instant) -> Self {
         RequestCtx {
             started,
+            wall: None,
             route: None,
             snap: None,
             model: None,
@@ -74,6 +79,13 @@ impl RequestCtx<'_> {
             note: None,
             active: None,
         }
+    }
+
+    /// Unix milliseconds at the monotonic instant `at`, read off the request's wall
+    /// reading (no clock read); `None` before the request has one.
+    pub fn wall_at(&self, at: Instant) -> Option<Millis> {
+        let (ms, then) = self.wall?;
+        Some(ms + at.saturating_duration_since(then).as_millis() as Millis)
     }
 
     /// The configured model's name, or `unknown` (a bounded metric label).

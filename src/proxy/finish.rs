@@ -46,7 +46,8 @@ pub fn record(
                 .inc();
         }
     }
-    let elapsed = ctx.started.elapsed();
+    let finished = crate::clock::monotonic();
+    let elapsed = finished.saturating_duration_since(ctx.started);
     if let Some((hot, model, _)) = hot.filter(|(_, _, r)| *r != Route::Models) {
         hot.duration(m, model, ctx.model_label())
             .observe(elapsed.as_secs_f64());
@@ -60,7 +61,7 @@ pub fn record(
     }
     let (provider, connection, upstream_model) = ctx.names().unwrap_or(("", "", ""));
     log.write(&Entry {
-        at: engine.now(),
+        at: ctx.wall_at(finished).unwrap_or_else(|| engine.now()),
         method: head.method(),
         path: head.path(),
         route,

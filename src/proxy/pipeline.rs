@@ -41,10 +41,12 @@ pub async fn run(
     ctx: &mut RequestCtx<'_>,
 ) -> super::Answered {
     let now = req.engine.now();
+    let began = monotonic();
+    ctx.wall = Some((now, began));
     let exec = req.snap.config.resilience.queue.execution_timeout;
     let mut fsm = Failover::new(limits(&req, now, exec));
     let mut d = Driver {
-        deadline: monotonic() + exec,
+        deadline: began + exec,
         req,
         watch: ClientWatch::default(),
         slot: None,

@@ -212,15 +212,19 @@ impl ClientConn {
         }
         loop {
             if !self.buf.is_empty() {
-                let now = crate::clock::monotonic();
-                deadline.get_or_insert(now + self.limits.header_timeout);
                 match self.parse_head() {
                     Ok(Some((head, n))) => {
                         self.buf.advance(n);
                         self.scanned = 0;
                         return self.begin(head).await;
                     }
-                    Ok(None) if self.buf.len() < MAX_HEADER_BYTES => {}
+                    // The head is not all here: from its first bytes, it has the header
+                    // timeout (a whole head in one read needs no clock).
+                    Ok(None) if self.buf.len() < MAX_HEADER_BYTES => {
+                        if deadline.is_none() {
+                            deadline = Some(crate::clock::monotonic() + self.limits.header_timeout);
+                        }
+                    }
                     Ok(None) => {
                         let e = ClientError::new(
                             ErrorCode::HeaderTooLarge,
