@@ -45,12 +45,13 @@ check:
 	else echo "check: promtool not installed; alert rules checked by tests/deploy.rs only"; fi
 
 ## Side-by-side benchmark: direct mock vs the bare floor (no layers) vs Sluice (vs nginx when
-## installed), CPU µs per request for each gateway; then 1,000 and 8,000
+## installed), CPU µs per request for each gateway, medians of 3 interleaved rounds per
+## cell; then 1,000 and 8,000
 ## concurrent SSE streams (RSS per stream, added chunk gap), then the selection
 ## micro-benchmark (bench/RESULTS.md has the recorded runs).
 bench: build
 	$(CARGO) build --release --example floor --example streams
-	./bench/run.sh
+	BENCH_ROUNDS=$${BENCH_ROUNDS:-3} BENCH_DURATION=$${BENCH_DURATION:-4s} ./bench/run.sh
 	./bench/streams.sh
 	$(CARGO) bench --bench selection
 

@@ -7,12 +7,19 @@
 # table to bench/out/<timestamp>.md as well.
 #
 #   BENCH_DURATION=10s BENCH_CONNS="1 32 128" ./bench/run.sh
+#   BENCH_ROUNDS=3 BENCH_DURATION=4s ./bench/run.sh   # each cell measured in 3 rounds
+#
+# With BENCH_ROUNDS=N every cell is measured N times, the targets taking turns (each
+# round starts with the next one, so none is always first after a pause); the table
+# shows the median of each figure, and each ratio is the median of the ratios of the
+# same round, so a slow stretch of the machine moves both sides of a ratio together.
 #
 # Needs: wrk (apt-get install wrk); nginx is optional (apt-get install nginx).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DUR=${BENCH_DURATION:-10s}
 CONNS=${BENCH_CONNS:-"1 32 128"}
+ROUNDS=${BENCH_ROUNDS:-1}
 . bench/lib.sh
 start_side_by_side
 
@@ -41,7 +48,14 @@ run_wrk() {
   echo "$rps $(to_ms "$p50") $(to_ms "$p99") $us"
 }
 
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN{ if (b == "-" || b == 0) print "-"; else printf "%.2f", a/b }'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN{ if (a == "-" || b == "-" || b == 0) print "-"; else printf "%.4f", a/b }'; }
+# median V... -> the median of the values that are not "-" ("-" when none is)
+median() {
+  printf '%s\n' "$@" | grep -v '^-$' | sort -g | awk '{ v[NR] = $1 }
+    END { if (NR == 0) print "-"; else if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+}
+# fmt DECIMALS V -> V rounded ("-" stays)
+fmt() { awk -v f="%.$1f" -v v="$2" 'BEGIN{ if (v == "-") print "-"; else printf f, v }'; }
 
 STAMP=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 mkdir -p bench/out
@@ -49,24 +63,48 @@ REPORT="bench/out/$(date -u +%Y%m%d-%H%M%S).md"
 {
   echo "## $STAMP — $(uname -m), $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo)"
   echo
-  echo "Command: \`BENCH_DURATION=$DUR BENCH_CONNS=\"$CONNS\" ./bench/run.sh\` (wrk $(wrk -v 2>&1 | awk 'NR==1{print $2}'), mock: 8 SSE chunks, no delay)"
+  echo "Command: \`BENCH_DURATION=$DUR BENCH_CONNS=\"$CONNS\" BENCH_ROUNDS=$ROUNDS ./bench/run.sh\` (wrk $(wrk -v 2>&1 | awk 'NR==1{print $2}'), mock: 8 SSE chunks, no delay)"
+  [ "$ROUNDS" -gt 1 ] && echo && echo "Each figure is the median of $ROUNDS rounds; each ratio the median of the rounds' ratios."
   echo
   echo "| mode | conns | direct rps | floor rps | sluice rps | nginx rps | sluice/nginx | sluice/floor | floor/nginx | p50/p99 ms direct | floor | sluice | nginx | sluice added p50/p99 ms | CPU µs/req floor | sluice | nginx | sluice CPU ÷ nginx |"
   echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 } | tee "$REPORT"
+TARGETS=(direct floor sluice nginx)
 for stream in 0 1; do
   mode=$([ "$stream" = 1 ] && echo stream || echo json)
   for c in $CONNS; do
-    read -r d_rps d_p50 d_p99 _ <<<"$(run_wrk "$MOCK" "$stream" "$c")"
-    read -r f_rps f_p50 f_p99 f_us <<<"$(run_wrk "$FLOOR" "$stream" "$c" "$FLOOR_PID")"
-    read -r s_rps s_p50 s_p99 s_us <<<"$(run_wrk "$SLUICE" "$stream" "$c" "$SLUICE_PID")"
-    n_rps="-"; n_p50="-"; n_p99="-"; n_us="-"
-    if [ -n "$NGINX" ]; then
-      read -r n_rps n_p50 n_p99 n_us <<<"$(run_wrk "$NGINX" "$stream" "$c" "${NGINX_PIDS[@]}")"
-    fi
-    add50=$(awk -v a="$s_p50" -v b="$d_p50" 'BEGIN{printf "%.3f", a-b}')
-    add99=$(awk -v a="$s_p99" -v b="$d_p99" 'BEGIN{printf "%.3f", a-b}')
-    echo "| $mode | $c | $d_rps | $f_rps | $s_rps | $n_rps | $(ratio "$s_rps" "$n_rps") | $(ratio "$s_rps" "$f_rps") | $(ratio "$f_rps" "$n_rps") | $d_p50 / $d_p99 | $f_p50 / $f_p99 | $s_p50 / $s_p99 | $n_p50 / $n_p99 | $add50 / $add99 | $f_us | $s_us | $n_us | $(ratio "$s_us" "$n_us") |" | tee -a "$REPORT"
+    declare -A F=()
+    for ((r = 0; r < ROUNDS; r++)); do
+      for ((k = 0; k < ${#TARGETS[@]}; k++)); do
+        t=${TARGETS[$(( (r + k) % ${#TARGETS[@]} ))]}
+        case $t in
+          direct) v=$(run_wrk "$MOCK" "$stream" "$c") ;;
+          floor) v=$(run_wrk "$FLOOR" "$stream" "$c" "$FLOOR_PID") ;;
+          sluice) v=$(run_wrk "$SLUICE" "$stream" "$c" "$SLUICE_PID") ;;
+          nginx) [ -n "$NGINX" ] || continue; v=$(run_wrk "$NGINX" "$stream" "$c" "${NGINX_PIDS[@]}") ;;
+        esac
+        read -r F[$t,rps,$r] F[$t,p50,$r] F[$t,p99,$r] F[$t,us,$r] <<<"$v"
+      done
+    done
+    # each NAME TARGET FIELD -> the values of every round, into the array NAME
+    each() { local -n into=$1; into=(); for ((r = 0; r < ROUNDS; r++)); do into+=("${F[$2,$3,$r]:--}"); done; }
+    # med TARGET FIELD -> the median over the rounds
+    med() { local v; each v "$1" "$2"; median "${v[@]}"; }
+    # per_round OP A FIELD B FIELD -> the median over the rounds of A's FIELD op B's
+    per_round() {
+      local v=() x y
+      for ((r = 0; r < ROUNDS; r++)); do
+        x=${F[$2,$3,$r]:--}; y=${F[$4,$5,$r]:--}
+        case $1 in
+          ratio) v+=("$(ratio "$x" "$y")") ;;
+          minus) v+=("$(awk -v a="$x" -v b="$y" 'BEGIN{ if (a == "-" || b == "-") print "-"; else printf "%.3f", a - b }')") ;;
+        esac
+      done
+      median "${v[@]}"
+    }
+    ms() { fmt 3 "$(med "$1" "$2")"; }
+    echo "| $mode | $c | $(fmt 2 "$(med direct rps)") | $(fmt 2 "$(med floor rps)") | $(fmt 2 "$(med sluice rps)") | $(fmt 2 "$(med nginx rps)") | $(fmt 2 "$(per_round ratio sluice rps nginx rps)") | $(fmt 2 "$(per_round ratio sluice rps floor rps)") | $(fmt 2 "$(per_round ratio floor rps nginx rps)") | $(ms direct p50) / $(ms direct p99) | $(ms floor p50) / $(ms floor p99) | $(ms sluice p50) / $(ms sluice p99) | $(ms nginx p50) / $(ms nginx p99) | $(fmt 3 "$(per_round minus sluice p50 direct p50)") / $(fmt 3 "$(per_round minus sluice p99 direct p99)") | $(fmt 1 "$(med floor us)") | $(fmt 1 "$(med sluice us)") | $(fmt 1 "$(med nginx us)") | $(fmt 2 "$(per_round ratio sluice us nginx us)") |" | tee -a "$REPORT"
+    unset F
   done
 done
 echo
