@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # User-space instructions per proxied request, counted by valgrind's callgrind: the floor
 # (bench/floor.rs) and Sluice, on one mock, JSON (or SSE with BENCH_STREAM=1) at 4
-# connections. Unlike the timings of run.sh and ab.sh, the count hardly moves from run
+# connections (BENCH_CONNS). Unlike the timings of run.sh and ab.sh, the count hardly moves from run
 # to run or with what else the machine is doing, so it shows a change of a few percent
 # in the request path's own work; it does not see cache misses or lock contention.
 # Every thread of the gateway is counted (the access log's writer included); the warm-up
@@ -11,13 +11,20 @@
 #   BENCH_WHICH=sluice BENCH_KEEP=/tmp/cg ./bench/instructions.sh
 #
 # BENCH_KEEP keeps the callgrind files (PREFIX-sluice.out, PREFIX-floor.out) for
-# `callgrind_annotate --inclusive=yes FILE`. Needs valgrind (apt-get install valgrind).
+# `callgrind_annotate --inclusive=yes FILE`. BENCH_CACHE=1 simulates the caches too and
+# adds first-level instruction and data misses and last-level data misses per request
+# (valgrind's model of the caches, not the machine's counters, which this VM lacks);
+# BENCH_LL=524288,8,64 models the last level as one core's 512 KiB L2 instead of the L3.
+# Needs valgrind (apt-get install valgrind).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v valgrind >/dev/null || { echo "bench: valgrind is required (apt-get install valgrind)" >&2; exit 2; }
 command -v wrk >/dev/null || { echo "bench: wrk is required (apt-get install wrk)" >&2; exit 2; }
 WHICH=${BENCH_WHICH:-"floor sluice"}
 STREAM=${BENCH_STREAM:-0}
+CONNS=${BENCH_CONNS:-4}
+SIM=""
+[ "${BENCH_CACHE:-0}" = 1 ] && SIM="--cache-sim=yes ${BENCH_LL:+--LL=$BENCH_LL}"
 . bench/lib.sh
 start_mock --chunks 8 --chunk-interval 0ms
 KEEP=${BENCH_KEEP:-$WORK/cg}
@@ -26,8 +33,8 @@ KEEP=${BENCH_KEEP:-$WORK/cg}
 # the instrumentation off until it is switched on
 wrap() {
   mkdir -p "$WORK/wrap-$1"
-  printf '#!/bin/sh\nexec valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file=%s %s "$@"\n' \
-    "$KEEP-$1.out" "$(realpath "$2")" >"$WORK/wrap-$1/$1"
+  printf '#!/bin/sh\nexec valgrind --tool=callgrind --instr-atstart=no %s --callgrind-out-file=%s %s "$@"\n' \
+    "$SIM" "$KEEP-$1.out" "$(realpath "$2")" >"$WORK/wrap-$1/$1"
   chmod +x "$WORK/wrap-$1/$1"
   echo "$WORK/wrap-$1"
 }
@@ -35,21 +42,31 @@ wrap() {
 # count NAME ADDR PID -> "NAME requests Ir Ir/request"
 count() {
   local out n
-  BENCH_STREAM=$STREAM wrk -t1 -c4 -d3s -s bench/post.lua "http://$2/v1/chat/completions" >/dev/null
+  BENCH_STREAM=$STREAM wrk -t1 -c"$CONNS" -d3s -s bench/post.lua "http://$2/v1/chat/completions" >/dev/null
   callgrind_control -i on "$3" >/dev/null 2>&1
-  out=$(BENCH_STREAM=$STREAM wrk -t1 -c4 -d6s -s bench/post.lua "http://$2/v1/chat/completions")
+  out=$(BENCH_STREAM=$STREAM wrk -t1 -c"$CONNS" -d6s -s bench/post.lua "http://$2/v1/chat/completions")
   callgrind_control -i off "$3" >/dev/null 2>&1
   callgrind_control -d "$3" >/dev/null 2>&1
   sleep 1
   n=$(echo "$out" | awk '/requests in/ {print $1}')
   # The dump on request is the first part (.1); the one at exit would hold nothing more.
+  # With the cache simulated, the totals are Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw.
   callgrind_annotate "$KEEP-$1.out.1" 2>/dev/null | awk -v name="$1" -v n="$n" '
-    /PROGRAM TOTALS/ { gsub(",", "", $1); printf "| %s | %d | %d | %.0f |\n", name, n, $1, $1 / n }'
+    /PROGRAM TOTALS/ {
+      gsub(/\([0-9.]+%\)/, ""); gsub(",", "")
+      printf "| %s | %d | %d | %.0f |", name, n, $1, $1 / n
+      if ($9 ~ /^[0-9]+$/) printf " %.0f | %.0f | %.0f |", $4 / n, ($5 + $6) / n, ($8 + $9) / n
+      printf "\n" }'
 }
 
-echo "user-space instructions per request ($(date -u +%Y-%m-%dT%H:%M:%SZ), mode $([ "$STREAM" = 1 ] && echo stream || echo json), 4 connections)"
-echo "| gateway | requests | instructions | per request |"
-echo "|---|---|---|---|"
+echo "user-space instructions per request ($(date -u +%Y-%m-%dT%H:%M:%SZ), mode $([ "$STREAM" = 1 ] && echo stream || echo json), $CONNS connections)"
+if [ -n "$SIM" ]; then
+  echo "| gateway | requests | instructions | per request | I1 misses | D1 misses | LL data misses (per request) |"
+  echo "|---|---|---|---|---|---|---|"
+else
+  echo "| gateway | requests | instructions | per request |"
+  echo "|---|---|---|---|"
+fi
 for w in $WHICH; do
   case $w in
     floor)
