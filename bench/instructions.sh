@@ -3,7 +3,8 @@
 # (bench/floor.rs) and Sluice, on one mock, JSON (or SSE with BENCH_STREAM=1) at 4
 # connections (BENCH_CONNS). Unlike the timings of run.sh and ab.sh, the count hardly moves from run
 # to run or with what else the machine is doing, so it shows a change of a few percent
-# in the request path's own work; it does not see cache misses or lock contention.
+# in the request path's own work; it does not see lock contention, nor cache misses
+# unless asked (BENCH_CACHE, below).
 # Every thread of the gateway is counted (the access log's writer included); the warm-up
 # is not.
 #
@@ -14,7 +15,9 @@
 # `callgrind_annotate --inclusive=yes FILE`. BENCH_CACHE=1 simulates the caches too and
 # adds first-level instruction and data misses and last-level data misses per request
 # (valgrind's model of the caches, not the machine's counters, which this VM lacks);
-# BENCH_LL=524288,8,64 models the last level as one core's 512 KiB L2 instead of the L3.
+# BENCH_LL=524288,8,64 (with BENCH_CACHE=1) sizes the last level like one core's
+# 512 KiB L2 instead of the L3. valgrind runs the gateway's threads one at a time
+# through one simulated cache, so the misses are a model's, not any real core's.
 # Needs valgrind (apt-get install valgrind).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +42,8 @@ wrap() {
   echo "$WORK/wrap-$1"
 }
 
-# count NAME ADDR PID -> "NAME requests Ir Ir/request"
+# count NAME ADDR PID -> a table row: NAME, requests, Ir, Ir per request (and, with the
+# cache simulated, I1, D1 and last-level data misses per request)
 count() {
   local out n
   BENCH_STREAM=$STREAM wrk -t1 -c"$CONNS" -d3s -s bench/post.lua "http://$2/v1/chat/completions" >/dev/null
@@ -61,7 +65,7 @@ count() {
 
 echo "user-space instructions per request ($(date -u +%Y-%m-%dT%H:%M:%SZ), mode $([ "$STREAM" = 1 ] && echo stream || echo json), $CONNS connections)"
 if [ -n "$SIM" ]; then
-  echo "| gateway | requests | instructions | per request | I1 misses | D1 misses | LL data misses (per request) |"
+  echo "| gateway | requests | instructions | per request | I1 misses per request | D1 misses per request | LL data misses per request |"
   echo "|---|---|---|---|---|---|---|"
 else
   echo "| gateway | requests | instructions | per request |"

@@ -20,6 +20,7 @@ cd "$(dirname "$0")/.."
 DUR=${BENCH_DURATION:-10s}
 CONNS=${BENCH_CONNS:-"1 32 128"}
 ROUNDS=${BENCH_ROUNDS:-1}
+[[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "bench: BENCH_ROUNDS must be a whole number ≥ 1" >&2; exit 2; }
 . bench/lib.sh
 start_side_by_side
 
@@ -52,7 +53,7 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN{ if (a == "-" || b == "-" || b == 0) pr
 # median V... -> the median of the values that are not "-" ("-" when none is)
 median() {
   printf '%s\n' "$@" | grep -v '^-$' | sort -g | awk '{ v[NR] = $1 }
-    END { if (NR == 0) print "-"; else if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+    END { if (NR == 0) print "-"; else if (NR % 2) print v[(NR + 1) / 2]; else printf "%.6f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
 }
 # fmt DECIMALS V -> V rounded ("-" stays)
 fmt() { awk -v f="%.$1f" -v v="$2" 'BEGIN{ if (v == "-") print "-"; else printf f, v }'; }
@@ -83,7 +84,7 @@ for stream in 0 1; do
           sluice) v=$(run_wrk "$SLUICE" "$stream" "$c" "$SLUICE_PID") ;;
           nginx) [ -n "$NGINX" ] || continue; v=$(run_wrk "$NGINX" "$stream" "$c" "${NGINX_PIDS[@]}") ;;
         esac
-        read -r F[$t,rps,$r] F[$t,p50,$r] F[$t,p99,$r] F[$t,us,$r] <<<"$v"
+        read -r "F[$t,rps,$r]" "F[$t,p50,$r]" "F[$t,p99,$r]" "F[$t,us,$r]" <<<"$v"
       done
     done
     # each NAME TARGET FIELD -> the values of every round, into the array NAME
