@@ -6,7 +6,18 @@ BIN=${BENCH_BIN:-target/release}
 [ -x "$BIN/sluice" ] && [ -x "$BIN/sluice-mock" ] || { echo "bench: build first (make build)" >&2; exit 2; }
 WORK=$(mktemp -d /tmp/sluice-bench.XXXXXX)
 PIDS=()
-bench_cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; rm -rf "$WORK"; }
+# Stops what the bench started and removes its directory once they have exited (up to
+# 5 s): a process still exiting may write into it (an instrumented build's profile).
+bench_cleanup() {
+  local p i
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  for ((i = 0; i < 50; i++)); do
+    for p in "${PIDS[@]}"; do kill -0 "$p" 2>/dev/null && break; p=""; done
+    [ -z "${p:-}" ] && break
+    sleep 0.1
+  done
+  rm -rf "$WORK"
+}
 trap bench_cleanup EXIT INT TERM
 
 # wait_listen FILE NAME -> prints the address from "LISTENING NAME addr"
