@@ -9,11 +9,12 @@ PIDS=()
 # Stops what the bench started and removes its directory once they have exited (up to
 # 5 s): a process still exiting may write into it (an instrumented build's profile).
 bench_cleanup() {
-  local p i
+  local p i alive
   for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
   for ((i = 0; i < 50; i++)); do
-    for p in "${PIDS[@]}"; do kill -0 "$p" 2>/dev/null && break; p=""; done
-    [ -z "${p:-}" ] && break
+    alive=0
+    for p in "${PIDS[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && break
     sleep 0.1
   done
   rm -rf "$WORK"

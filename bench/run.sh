@@ -71,6 +71,24 @@ REPORT="bench/out/$(date -u +%Y%m%d-%H%M%S).md"
   echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 } | tee "$REPORT"
 TARGETS=(direct floor sluice nginx)
+# The figures of one cell, F[TARGET,FIELD,ROUND] (FIELD: rps p50 p99 us), read by:
+# each NAME TARGET FIELD -> the values of every round, into the array NAME
+each() { local -n into=$1; into=(); for ((r = 0; r < ROUNDS; r++)); do into+=("${F[$2,$3,$r]:--}"); done; }
+# med TARGET FIELD -> the median over the rounds
+med() { local v; each v "$1" "$2"; median "${v[@]}"; }
+# per_round OP A FIELD B FIELD -> the median over the rounds of A's FIELD op B's
+per_round() {
+  local v=() x y
+  for ((r = 0; r < ROUNDS; r++)); do
+    x=${F[$2,$3,$r]:--}; y=${F[$4,$5,$r]:--}
+    case $1 in
+      ratio) v+=("$(ratio "$x" "$y")") ;;
+      minus) v+=("$(awk -v a="$x" -v b="$y" 'BEGIN{ if (a == "-" || b == "-") print "-"; else printf "%.3f", a - b }')") ;;
+    esac
+  done
+  median "${v[@]}"
+}
+ms() { fmt 3 "$(med "$1" "$2")"; }
 for stream in 0 1; do
   mode=$([ "$stream" = 1 ] && echo stream || echo json)
   for c in $CONNS; do
@@ -87,23 +105,6 @@ for stream in 0 1; do
         read -r "F[$t,rps,$r]" "F[$t,p50,$r]" "F[$t,p99,$r]" "F[$t,us,$r]" <<<"$v"
       done
     done
-    # each NAME TARGET FIELD -> the values of every round, into the array NAME
-    each() { local -n into=$1; into=(); for ((r = 0; r < ROUNDS; r++)); do into+=("${F[$2,$3,$r]:--}"); done; }
-    # med TARGET FIELD -> the median over the rounds
-    med() { local v; each v "$1" "$2"; median "${v[@]}"; }
-    # per_round OP A FIELD B FIELD -> the median over the rounds of A's FIELD op B's
-    per_round() {
-      local v=() x y
-      for ((r = 0; r < ROUNDS; r++)); do
-        x=${F[$2,$3,$r]:--}; y=${F[$4,$5,$r]:--}
-        case $1 in
-          ratio) v+=("$(ratio "$x" "$y")") ;;
-          minus) v+=("$(awk -v a="$x" -v b="$y" 'BEGIN{ if (a == "-" || b == "-") print "-"; else printf "%.3f", a - b }')") ;;
-        esac
-      done
-      median "${v[@]}"
-    }
-    ms() { fmt 3 "$(med "$1" "$2")"; }
     echo "| $mode | $c | $(fmt 2 "$(med direct rps)") | $(fmt 2 "$(med floor rps)") | $(fmt 2 "$(med sluice rps)") | $(fmt 2 "$(med nginx rps)") | $(fmt 2 "$(per_round ratio sluice rps nginx rps)") | $(fmt 2 "$(per_round ratio sluice rps floor rps)") | $(fmt 2 "$(per_round ratio floor rps nginx rps)") | $(ms direct p50) / $(ms direct p99) | $(ms floor p50) / $(ms floor p99) | $(ms sluice p50) / $(ms sluice p99) | $(ms nginx p50) / $(ms nginx p99) | $(fmt 3 "$(per_round minus sluice p50 direct p50)") / $(fmt 3 "$(per_round minus sluice p99 direct p99)") | $(fmt 1 "$(med floor us)") | $(fmt 1 "$(med sluice us)") | $(fmt 1 "$(med nginx us)") | $(fmt 2 "$(per_round ratio sluice us nginx us)") |" | tee -a "$REPORT"
     unset F
   done

@@ -63,8 +63,6 @@ pub struct View {
 pub struct ModelRouting {
     /// Each target's configured weight, by target index.
     weights: Vec<u32>,
-    /// Sum of `weights`.
-    total: i64,
     /// Smooth weighted round-robin "current weight" per target, over all the model's
     /// targets: it says whose turn it is ([`ModelRouting::weighted_turn`]).
     current: Vec<i64>,
@@ -85,7 +83,6 @@ impl ModelRouting {
         let targets = weights.len();
         Self {
             weights: weights.to_vec(),
-            total: weights.iter().map(|&w| i64::from(w)).sum(),
             current: vec![0; targets],
             spare: vec![0; targets],
             rr_next: 0,
@@ -213,48 +210,25 @@ impl ModelRouting {
             self.take_weighted_turn(turn);
             return turn;
         }
-        let total: i64 = offers.iter().map(|o| i64::from(o.weight)).sum();
-        let mut best = offers[0].target;
-        let mut best_w = i64::MIN;
-        for o in offers {
-            if o.target >= self.spare.len() {
-                self.spare.resize(o.target + 1, 0);
-            }
-            self.spare[o.target] += i64::from(o.weight);
-            if self.spare[o.target] > best_w {
-                best_w = self.spare[o.target];
-                best = o.target;
-            }
-        }
-        self.spare[best] -= total;
+        let members = offers.iter().map(|o| (o.target, o.weight));
+        let best = leader(&self.spare, members.clone()).unwrap_or(offers[0].target);
+        advance(&mut self.spare, members, best);
         best
     }
 
     /// Whose turn it is in the smooth weighted round-robin over all the model's
-    /// targets: the largest current weight after the gain, the first on a tie. Reading
-    /// it changes nothing; `None` for a model without targets.
+    /// targets. Reading it changes nothing; `None` for a model without targets.
     pub fn weighted_turn(&self) -> Option<usize> {
-        let mut best = None;
-        let mut best_w = i64::MIN;
-        for (t, (&c, &w)) in self.current.iter().zip(&self.weights).enumerate() {
-            let v = c + i64::from(w);
-            if v > best_w {
-                best_w = v;
-                best = Some(t);
-            }
-        }
-        best
+        leader(&self.current, self.weights.iter().copied().enumerate())
     }
 
-    /// Gives the turn to `turn` (the value of [`ModelRouting::weighted_turn`]): every
-    /// target gains its weight and `turn` pays back the total.
+    /// Gives the turn to `turn` (the value of [`ModelRouting::weighted_turn`]).
     pub fn take_weighted_turn(&mut self, turn: usize) {
-        for (c, &w) in self.current.iter_mut().zip(&self.weights) {
-            *c += i64::from(w);
-        }
-        if let Some(c) = self.current.get_mut(turn) {
-            *c -= self.total;
-        }
+        advance(
+            &mut self.current,
+            self.weights.iter().copied().enumerate(),
+            turn,
+        );
     }
 
     /// Rotates through the offered connection indices of `target`, round-robin: the
@@ -303,6 +277,38 @@ impl ModelRouting {
     /// Records a pick of a load-aware tie rotation.
     pub fn rotated(&mut self, key: (usize, usize)) {
         self.view_last = Some(key);
+    }
+}
+
+/// One step of smooth weighted round-robin over `members` (target, weight) whose current
+/// weights are in `current` (a missing entry is 0): the member whose current weight plus
+/// its weight is largest, the first on a tie. Changes nothing.
+fn leader(current: &[i64], members: impl Iterator<Item = (usize, u32)>) -> Option<usize> {
+    let mut best = None;
+    let mut best_w = i64::MIN;
+    for (t, w) in members {
+        let v = current.get(t).copied().unwrap_or(0) + i64::from(w);
+        if v > best_w {
+            best_w = v;
+            best = Some(t);
+        }
+    }
+    best
+}
+
+/// The step [`leader`] chose: every member gains its weight, `winner` pays back their
+/// total.
+fn advance(current: &mut Vec<i64>, members: impl Iterator<Item = (usize, u32)>, winner: usize) {
+    let mut total = 0;
+    for (t, w) in members {
+        if t >= current.len() {
+            current.resize(t + 1, 0);
+        }
+        current[t] += i64::from(w);
+        total += i64::from(w);
+    }
+    if let Some(c) = current.get_mut(winner) {
+        *c -= total;
     }
 }
 
