@@ -1,17 +1,24 @@
 //! Log output off the request path.
 //!
 //! The access log writes one line per request; writing it straight to stderr costs a
-//! syscall (and a global lock) on the request's thread. Here each formatted line is
-//! handed to a dedicated writer thread over a bounded channel and written in batches.
-//! The request path never blocks on logging: when the channel is full the line is
-//! dropped and counted, and the count is reported on the next line that gets through.
+//! syscall (and a global lock) on the request's thread. Here lines are written by a
+//! dedicated writer thread, in batches. Access lines are formatted straight into a
+//! batch buffer of the request's worker ([`Background::append`]: no allocation, no
+//! channel message and no cross-thread free per line, and a lock no other request
+//! thread takes); the writer swaps the buffers out when it drains, and is woken only
+//! when a buffer goes from empty to holding a line. Other events travel one line per
+//! message over a bounded channel. The request path never blocks on logging: when the
+//! channel or a batch buffer is full the line is dropped and counted, and the count is
+//! reported on the next batch that gets through. Lines of one worker keep their order;
+//! lines of different workers, and access lines against other events, may be written
+//! up to a batch ([`TICK`]) apart from the order they were made in.
 //! Secrets never reach a line: Sluice logs no header values, and the dependencies that
 //! would are capped at `info` ([`CAPPED_TARGETS`]).
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tracing_subscriber::fmt::MakeWriter;
 
@@ -28,19 +35,57 @@ pub fn allowed(target: &str, level: tracing::Level) -> bool {
 /// Lines that may wait for the writer before new ones are dropped.
 const QUEUE: usize = 65_536;
 
+/// Bytes a worker's batch buffer may hold before new access lines are dropped (about
+/// the channel's worth of lines).
+const BATCH_LIMIT: usize = 16 << 20;
+
+/// Batch buffers: as many as there may be workers before two share one (they then
+/// share its lock, nothing else).
+const SLOTS: usize = 16;
+
 enum Msg {
     Line(Vec<u8>),
+    /// A batch buffer went from empty to holding a line.
+    Wake,
     /// Write out everything queued before this, then acknowledge.
     Flush(std::sync::mpsc::Sender<()>),
 }
+
+/// One worker's batch of access lines, on cache lines of its own.
+#[repr(align(128))]
+#[derive(Default)]
+struct Slot(Mutex<Vec<u8>>);
 
 #[derive(Clone)]
 pub struct Background {
     tx: SyncSender<Msg>,
     dropped: Arc<AtomicU64>,
+    slots: Arc<[Slot; SLOTS]>,
 }
 
 impl Background {
+    /// Appends one line, written by `line` (ending in `\n`), to the batch buffer of
+    /// `worker` (any number: buffers are shared modulo their count) without blocking
+    /// on the writer. When the buffer is full the line is dropped and counted.
+    pub fn append(&self, worker: usize, line: impl FnOnce(&mut Vec<u8>)) {
+        let slot = &self.slots[worker % SLOTS];
+        let was_empty = {
+            let mut buf = slot.0.lock().unwrap_or_else(|p| p.into_inner());
+            if buf.len() >= BATCH_LIMIT {
+                drop(buf);
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            let was_empty = buf.is_empty();
+            line(&mut buf);
+            was_empty
+        };
+        // A full channel holds messages that will wake the writer anyway.
+        if was_empty {
+            let _ = self.tx.try_send(Msg::Wake);
+        }
+    }
+
     /// Queues one complete line (ending in `\n`) without blocking: when the writer is
     /// behind, the line is dropped and counted.
     pub fn send(&self, line: Vec<u8>) {
@@ -103,9 +148,12 @@ const TICK: Duration = Duration::from_millis(20);
 /// [`TICK`] between batches and drains whatever queued meanwhile, so request threads
 /// that send a line never have to wake it. It goes back to blocking after a tick with
 /// nothing to write.
-fn drain(rx: Receiver<Msg>, dropped: Arc<AtomicU64>) {
+fn drain(rx: Receiver<Msg>, dropped: Arc<AtomicU64>, slots: Arc<[Slot; SLOTS]>) {
     let mut out = std::io::BufWriter::with_capacity(64 * 1024, std::io::stderr());
     let mut acks = Vec::new();
+    // Swapped with a slot's buffer on each drain, so neither side allocates once both
+    // have grown to a batch's size.
+    let mut spare = Vec::new();
     loop {
         let Ok(first) = rx.recv() else {
             let _ = out.flush();
@@ -134,12 +182,29 @@ fn drain(rx: Receiver<Msg>, dropped: Arc<AtomicU64>) {
                         }
                     },
                 };
-                wrote = true;
                 match msg {
                     Msg::Line(line) => {
+                        wrote = true;
                         let _ = out.write_all(&line);
                     }
-                    Msg::Flush(ack) => acks.push(ack),
+                    Msg::Wake => {}
+                    Msg::Flush(ack) => {
+                        wrote = true;
+                        acks.push(ack);
+                    }
+                }
+            }
+            for slot in slots.iter() {
+                std::mem::swap(
+                    &mut *slot.0.lock().unwrap_or_else(|p| p.into_inner()),
+                    &mut spare,
+                );
+                if !spare.is_empty() {
+                    // A batch goes out as it is, not copied through `out`'s buffer.
+                    wrote = true;
+                    let _ = out.flush();
+                    let _ = out.get_mut().write_all(&spare);
+                    spare.clear();
                 }
             }
             let _ = out.flush();
@@ -162,18 +227,63 @@ fn drain(rx: Receiver<Msg>, dropped: Arc<AtomicU64>) {
 pub fn background() -> Option<Background> {
     let (tx, rx) = sync_channel(QUEUE);
     let dropped = Arc::new(AtomicU64::new(0));
-    let d = dropped.clone();
+    let slots: Arc<[Slot; SLOTS]> = Arc::new(Default::default());
+    let (d, s) = (dropped.clone(), slots.clone());
     std::thread::Builder::new()
         .name("sluice-log".into())
-        .spawn(move || drain(rx, d))
+        .spawn(move || drain(rx, d, s))
         .ok()?;
-    Some(Background { tx, dropped })
+    Some(Background { tx, dropped, slots })
 }
 
 #[cfg(test)]
 mod tests {
-    use super::allowed;
+    use super::*;
     use tracing::Level;
+
+    /// A background sink whose writer is the test: its channel's receiver and slots.
+    fn sink() -> (Background, Receiver<Msg>) {
+        let (tx, rx) = sync_channel(4);
+        let bg = Background {
+            tx,
+            dropped: Arc::new(AtomicU64::new(0)),
+            slots: Arc::new(Default::default()),
+        };
+        (bg, rx)
+    }
+
+    fn batch(bg: &Background, worker: usize) -> Vec<u8> {
+        std::mem::take(&mut *bg.slots[worker % SLOTS].0.lock().unwrap())
+    }
+
+    #[test]
+    fn a_batch_wakes_the_writer_once_and_keeps_its_lines_in_order() {
+        let (bg, rx) = sink();
+        bg.append(1, |b| b.extend_from_slice(b"one\n"));
+        bg.append(1, |b| b.extend_from_slice(b"two\n"));
+        bg.append(2, |b| b.extend_from_slice(b"other\n"));
+        let wakes = rx.try_iter().filter(|m| matches!(m, Msg::Wake)).count();
+        assert_eq!(wakes, 2, "one per buffer that was empty");
+        assert_eq!(batch(&bg, 1), b"one\ntwo\n");
+        assert_eq!(batch(&bg, 2 + SLOTS), b"other\n");
+        // drained: the next line wakes the writer again
+        bg.append(1, |b| b.extend_from_slice(b"three\n"));
+        assert!(matches!(rx.try_recv(), Ok(Msg::Wake)));
+    }
+
+    #[test]
+    fn a_full_batch_drops_and_counts_instead_of_growing() {
+        let (bg, rx) = sink();
+        bg.append(0, |b| b.resize(BATCH_LIMIT, b'x'));
+        bg.append(0, |b| b.extend_from_slice(b"late\n"));
+        assert_eq!(bg.dropped.load(Ordering::Relaxed), 1);
+        assert_eq!(batch(&bg, 0).len(), BATCH_LIMIT);
+        // a full channel does not block the request thread either
+        for w in 1..=8 {
+            bg.append(w, |b| b.push(b'\n'));
+        }
+        assert_eq!(rx.try_iter().count(), 4);
+    }
 
     #[test]
     fn dependencies_that_print_headers_stay_at_info() {

@@ -125,19 +125,22 @@ impl Gateway {
         }
 
         // select → connect → response → stream, per attempt
-        let request = Request {
-            engine: &self.engine,
-            snap,
-            model: a.model,
-            route,
-            family,
-            client,
-            body: a.body,
-            header: head,
-            lease: a.lease,
-            pin_key: a.pin_key,
-        };
-        pipeline::run(conn, request, ctx).await
+        let mut driver = pipeline::Driver::new(
+            Request {
+                engine: &self.engine,
+                snap,
+                model: a.model,
+                route,
+                family,
+                client,
+                body: a.body,
+                header: head,
+                lease: a.lease,
+                pin_key: a.pin_key,
+            },
+            ctx,
+        );
+        pipeline::run(conn, &mut driver, ctx).await
     }
 
     async fn reject(

@@ -35,25 +35,19 @@ use std::time::{Duration, Instant};
 /// Runs the request's attempts until one commits or the machine answers; leaves a
 /// complete response on `session`, or returns `Err` when the client connection must be
 /// cut (a committed body that failed).
+///
+/// The caller owns the driver ([`Driver::new`]) and lends it: an async fn keeps a
+/// by-value argument in its state beside the local it is moved to, so a request passed
+/// in would sit in the connection's task three times (~500 bytes more, and copies).
 pub async fn run(
     conn: &mut ClientConn,
-    req: Request<'_>,
+    d: &mut Driver<'_>,
     ctx: &mut RequestCtx<'_>,
 ) -> super::Answered {
-    let now = req.engine.now();
-    let began = monotonic();
-    ctx.wall = Some((now, began));
-    let exec = req.snap.config.resilience.queue.execution_timeout;
-    let mut fsm = Failover::new(limits(&req, now, exec));
-    let mut d = Driver {
-        deadline: began + exec,
-        req,
-        watch: ClientWatch::default(),
-        slot: None,
-        full: Vec::new(),
-        held: None,
-    };
-    // The clock read above serves the first selection, which follows at once.
+    let now = d.start;
+    let exec = d.req.snap.config.resilience.queue.execution_timeout;
+    let mut fsm = Failover::new(limits(&d.req, now, exec));
+    // The clock read when the driver was made serves the first selection.
     let mut next = d.select(&mut fsm, now).await;
     loop {
         next = match next {
@@ -123,9 +117,12 @@ enum Step {
     Done(super::Answered),
 }
 
-struct Driver<'a> {
+/// One request's attempts: what [`run`] drives them with.
+pub struct Driver<'a> {
     /// The request being served (its model switches on the fallback hop).
     req: Request<'a>,
+    /// The wall-clock time the attempts began at (the first selection's).
+    start: Millis,
     deadline: Instant,
     watch: ClientWatch,
     slot: Option<Slot>,
@@ -135,7 +132,25 @@ struct Driver<'a> {
     held: Option<(HeldError, Verdict)>,
 }
 
-impl Driver<'_> {
+impl<'a> Driver<'a> {
+    /// The driver of `req`'s attempts, which begin now: the execution deadline is fixed
+    /// here (SPEC §5.7), and `ctx` keeps the wall-clock reading for the access line.
+    pub fn new(req: Request<'a>, ctx: &mut RequestCtx<'_>) -> Self {
+        let start = req.engine.now();
+        let began = monotonic();
+        ctx.wall = Some((start, began));
+        let exec = req.snap.config.resilience.queue.execution_timeout;
+        Driver {
+            deadline: began + exec,
+            start,
+            req,
+            watch: ClientWatch::default(),
+            slot: None,
+            full: Vec::new(),
+            held: None,
+        }
+    }
+
     /// Selects at `now`, a clock reading taken just before.
     async fn select(&mut self, fsm: &mut Failover, now: Millis) -> Next {
         let r = &self.req;
