@@ -13,6 +13,7 @@
 //!   whole; any other end drops it.
 
 use super::ctx::{Request, RequestCtx};
+use super::rare;
 use super::transport::{self, Cause, Upstream, POOL_IDLE};
 use super::upconn::UpConn;
 use super::upstream;
@@ -178,14 +179,15 @@ async fn phases(
         // Only once, and only right after the write: anything later may be an upstream
         // that took the request and died on it, which is the provider's failure.
         Err(AttemptEnd::Transport(b)) if reused && b.what == STALE => {
-            let p = &call.req.snap.config.providers[call.pick.provider];
-            tracing::info!(provider = %p.id, connection = %p.connections[call.pick.connection].id,
-                "pooled upstream connection was closed; request resent on another connection");
-            let peer = Cow::Owned(transport::peer(p, upstream.addr));
-            let fresh = call.req.engine.upstreams.fresh(peer);
-            let got = async { Ok((fresh.await?, false)) };
-            up = session_of(watch.race(conn, call.deadline, pin!(got)).await)?.0;
-            send(conn, watch, call, &mut up, (monotonic(), first_byte_by)).await?
+            rare(resend(
+                conn,
+                watch,
+                call,
+                &mut up,
+                upstream.addr,
+                first_byte_by,
+            ))
+            .await?
         }
         other => other?,
     };
@@ -205,6 +207,26 @@ async fn phases(
         at: now,
     };
     Ok(commit(conn, ctx, committed))
+}
+
+/// The request once more, on a new connection to `addr`, after a pooled one turned out
+/// closed as it was taken (see [`phases`]).
+async fn resend(
+    conn: &mut ClientConn,
+    watch: &mut ClientWatch,
+    call: &Call<'_, '_>,
+    up: &mut UpConn,
+    addr: SocketAddr,
+    first_byte_by: Instant,
+) -> Result<ResponseHead, AttemptEnd> {
+    let p = &call.req.snap.config.providers[call.pick.provider];
+    tracing::info!(provider = %p.id, connection = %p.connections[call.pick.connection].id,
+        "pooled upstream connection was closed; request resent on another connection");
+    let peer = Cow::Owned(transport::peer(p, addr));
+    let fresh = call.req.engine.upstreams.fresh(peer);
+    let got = async { Ok((fresh.await?, false)) };
+    *up = session_of(watch.race(conn, call.deadline, pin!(got)).await)?.0;
+    send(conn, watch, call, up, (monotonic(), first_byte_by)).await
 }
 
 /// select → connect: DNS (cached, async; none for an address literal) and a pooled or

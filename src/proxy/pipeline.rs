@@ -14,6 +14,7 @@
 use super::attempt::{attempt, AttemptEnd, Call, HeldError, Inflight};
 use super::ctx::{AttemptRecord, Request, RequestCtx};
 use super::queue::{wait_for_permit, Permitted};
+use super::rare;
 use super::respond;
 use super::stream::{stream, StreamEnd};
 use super::subscription::{self, Rounds, Then};
@@ -59,14 +60,17 @@ pub async fn run(
                 Step::Next(n) => n,
                 Step::Done(result) => return result,
             },
-            Next::Queue { until, fail_open } => d.queue(conn, &mut fsm, until, fail_open).await,
+            Next::Queue { until, fail_open } => {
+                rare(d.queue(conn, &mut fsm, until, fail_open)).await
+            }
             Next::RelocateLease => {
-                d.relocate_lease().await;
+                rare(d.relocate_lease()).await;
                 fsm.on_lease_relocated()
             }
-            Next::Wait { until } => d.combo_wait(conn, until).await,
+            Next::Wait { until } => rare(d.combo_wait(conn, until)).await,
             Next::Fallback { model } => d.fall_back(model),
-            Next::Answer(a) => return d.answer(conn, a, ctx).await,
+            // A refusal or a gone client: a committed attempt ends the loop itself.
+            Next::Answer(a) => return rare(d.answer(conn, a, ctx)).await,
         };
     }
 }
@@ -237,7 +241,7 @@ impl<'a> Driver<'a> {
         }
         match end {
             AttemptEnd::Committed(c) => {
-                let end = stream(conn, &mut self.watch, &self.req, self.deadline, *c).await;
+                let end = stream(conn, &mut self.watch, &self.req, self.deadline, c).await;
                 drop((inflight, slot));
                 return Step::Done(stream_ended(engine, &info, end, ctx));
             }
@@ -289,7 +293,7 @@ impl<'a> Driver<'a> {
                 let a = info(&self.req, pick, started, true, false);
                 engine.record(&a, Outcome::Abandoned);
             }
-            if !self.watch.sleep(conn, wait).await {
+            if !rare(self.watch.sleep(conn, wait)).await {
                 return (AttemptEnd::ClientGone, started);
             }
             if !self.runnable(pick) {

@@ -50,13 +50,15 @@ pub(super) enum StreamEnd {
     Aborted { reason: AbortReason, cut: bool },
 }
 
-/// Streams the committed body to the client.
+/// Streams the committed body to the client. `c` comes boxed as the attempt made it:
+/// taken by value, it would sit in this future's state beside the parts it is taken
+/// apart into (and be copied into it once more).
 pub(super) async fn stream(
     conn: &mut ClientConn,
     watch: &mut ClientWatch,
     req: &Request<'_>,
     deadline: Instant,
-    c: Committed,
+    c: Box<Committed>,
 ) -> StreamEnd {
     let Committed {
         mut up,
@@ -66,7 +68,7 @@ pub(super) async fn stream(
         head,
         at,
         ..
-    } = c;
+    } = *c;
     // Written already: not held for the stream's life.
     drop(head);
     let to = upstream.of(&req.snap.config.providers[upstream.provider]);
