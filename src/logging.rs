@@ -3,10 +3,11 @@
 //! The access log writes one line per request; writing it straight to stderr costs a
 //! syscall (and a global lock) on the request's thread. Here lines are written by a
 //! dedicated writer thread, in batches. Access lines are formatted straight into a
-//! batch buffer of the request's worker ([`Background::append`]: no allocation, no
-//! channel message and no cross-thread free per line, and a lock no other request
-//! thread takes); the writer swaps the buffers out when it drains, and is woken only
-//! when a buffer goes from empty to holding a line. Other events travel one line per
+//! batch buffer of the request's worker ([`Background::append`]: no channel message
+//! and no cross-thread free per line, no allocation once the buffers have grown to a
+//! batch's size, and a lock only the writer shares while there are at most [`SLOTS`]
+//! workers); the writer swaps the buffers out when it drains, and is woken only when a
+//! buffer goes from empty to holding a line. Other events travel one line per
 //! message over a bounded channel. The request path never blocks on logging: when the
 //! channel or a batch buffer is full the line is dropped and counted, and the count is
 //! reported on the next batch that gets through. Lines of one worker keep their order;
@@ -77,7 +78,14 @@ impl Background {
                 return;
             }
             let was_empty = buf.is_empty();
-            line(&mut buf);
+            // A line cut short by a panic is taken back out, so the batch holds whole
+            // lines only (and an empty one stays empty: no wake was owed).
+            let mut whole = Whole {
+                len: buf.len(),
+                buf: &mut buf,
+            };
+            line(&mut *whole.buf);
+            whole.len = whole.buf.len();
             was_empty
         };
         // A full channel holds messages that will wake the writer anyway.
@@ -103,6 +111,18 @@ impl Background {
         if self.tx.send(Msg::Flush(ack)).is_ok() {
             let _ = done.recv_timeout(limit);
         }
+    }
+}
+
+/// A batch buffer being written to: cut back to `len` when dropped.
+struct Whole<'a> {
+    buf: &'a mut Vec<u8>,
+    len: usize,
+}
+
+impl Drop for Whole<'_> {
+    fn drop(&mut self) {
+        self.buf.truncate(self.len);
     }
 }
 
@@ -144,15 +164,23 @@ impl<'a> MakeWriter<'a> for Background {
 /// How long the writer sleeps between batches while lines keep coming.
 const TICK: Duration = Duration::from_millis(20);
 
-/// The writer: idle, it blocks for the first line (one wake-up); busy, it sleeps a
-/// [`TICK`] between batches and drains whatever queued meanwhile, so request threads
-/// that send a line never have to wake it. It goes back to blocking after a tick with
-/// nothing to write.
-fn drain(rx: Receiver<Msg>, dropped: Arc<AtomicU64>, slots: Arc<[Slot; SLOTS]>) {
-    let mut out = std::io::BufWriter::with_capacity(64 * 1024, std::io::stderr());
+/// Channel messages the writer takes in one pass before it drains the batch buffers
+/// too, so a stream of other events cannot hold the access lines back.
+const PASS: usize = 4_096;
+
+/// A drained batch buffer bigger than this (after a burst) is freed, not kept.
+const KEEP: usize = 1 << 20;
+
+/// The writer: idle, it blocks for the first message (one wake-up); busy, it sleeps a
+/// [`TICK`] between batches and takes whatever came meanwhile — channel messages and
+/// the batch buffers — so request threads that add to a non-empty batch, or send a
+/// line while it is busy, never wake it. It goes back to blocking after a tick with
+/// nothing to write. `sink` is stderr but in tests.
+fn drain<W: Write>(rx: Receiver<Msg>, dropped: Arc<AtomicU64>, slots: Arc<[Slot; SLOTS]>, sink: W) {
+    let mut out = std::io::BufWriter::with_capacity(64 * 1024, sink);
     let mut acks = Vec::new();
-    // Swapped with a slot's buffer on each drain, so neither side allocates once both
-    // have grown to a batch's size.
+    // Swapped with each non-empty batch buffer: the buffers go round the busy workers
+    // and the writer, and keep their capacity.
     let mut spare = Vec::new();
     loop {
         let Ok(first) = rx.recv() else {
@@ -170,7 +198,12 @@ fn drain(rx: Receiver<Msg>, dropped: Arc<AtomicU64>, slots: Arc<[Slot; SLOTS]>) 
             }
             let mut wrote = false;
             let mut closed = false;
-            loop {
+            let mut more = false;
+            for taken in 0.. {
+                if taken == PASS {
+                    more = true;
+                    break;
+                }
                 let msg = match next.take() {
                     Some(m) => m,
                     None => match rx.try_recv() {
@@ -195,16 +228,20 @@ fn drain(rx: Receiver<Msg>, dropped: Arc<AtomicU64>, slots: Arc<[Slot; SLOTS]>) 
                 }
             }
             for slot in slots.iter() {
-                std::mem::swap(
-                    &mut *slot.0.lock().unwrap_or_else(|p| p.into_inner()),
-                    &mut spare,
-                );
-                if !spare.is_empty() {
-                    // A batch goes out as it is, not copied through `out`'s buffer.
-                    wrote = true;
-                    let _ = out.flush();
-                    let _ = out.get_mut().write_all(&spare);
-                    spare.clear();
+                {
+                    let mut batch = slot.0.lock().unwrap_or_else(|p| p.into_inner());
+                    if batch.is_empty() {
+                        continue;
+                    }
+                    std::mem::swap(&mut *batch, &mut spare);
+                }
+                // A batch goes out as it is, not copied through `out`'s buffer.
+                wrote = true;
+                let _ = out.flush();
+                let _ = out.get_mut().write_all(&spare);
+                spare.clear();
+                if spare.capacity() > KEEP {
+                    spare = Vec::new();
                 }
             }
             let _ = out.flush();
@@ -217,23 +254,30 @@ fn drain(rx: Receiver<Msg>, dropped: Arc<AtomicU64>, slots: Arc<[Slot; SLOTS]>) 
             if !wrote {
                 break;
             }
-            std::thread::sleep(TICK);
+            if !more {
+                std::thread::sleep(TICK);
+            }
         }
     }
 }
 
-/// Starts the writer thread and returns the `MakeWriter` for the subscriber. Falls back
-/// to `None` (the caller then writes to stderr directly) if the thread cannot start.
-pub fn background() -> Option<Background> {
+/// Starts the writer thread on `sink` and returns its sender.
+fn start<W: Write + Send + 'static>(sink: W) -> Option<Background> {
     let (tx, rx) = sync_channel(QUEUE);
     let dropped = Arc::new(AtomicU64::new(0));
     let slots: Arc<[Slot; SLOTS]> = Arc::new(Default::default());
     let (d, s) = (dropped.clone(), slots.clone());
     std::thread::Builder::new()
         .name("sluice-log".into())
-        .spawn(move || drain(rx, d, s))
+        .spawn(move || drain(rx, d, s, sink))
         .ok()?;
     Some(Background { tx, dropped, slots })
+}
+
+/// Starts the writer thread and returns the `MakeWriter` for the subscriber. Falls back
+/// to `None` (the caller then writes to stderr directly) if the thread cannot start.
+pub fn background() -> Option<Background> {
+    start(std::io::stderr())
 }
 
 #[cfg(test)]
@@ -253,7 +297,8 @@ mod tests {
     }
 
     fn batch(bg: &Background, worker: usize) -> Vec<u8> {
-        std::mem::take(&mut *bg.slots[worker % SLOTS].0.lock().unwrap())
+        let slot = &bg.slots[worker % SLOTS].0;
+        std::mem::take(&mut *slot.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     #[test]
@@ -269,6 +314,66 @@ mod tests {
         // drained: the next line wakes the writer again
         bg.append(1, |b| b.extend_from_slice(b"three\n"));
         assert!(matches!(rx.try_recv(), Ok(Msg::Wake)));
+    }
+
+    /// Output shared with the test: the writer thread's sink.
+    #[derive(Clone, Default)]
+    struct Shared(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Shared {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_writer_writes_every_batch_and_line_before_a_flush_returns() {
+        let out = Shared::default();
+        let bg = start(out.clone()).unwrap();
+        bg.append(3, |b| b.extend_from_slice(b"access one\n"));
+        bg.send(b"event\n".to_vec());
+        bg.append(3, |b| b.extend_from_slice(b"access two\n"));
+        bg.append(7, |b| b.extend_from_slice(b"other worker\n"));
+        bg.flush(Duration::from_secs(10));
+        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        let at = |l: &str| {
+            text.find(l)
+                .unwrap_or_else(|| panic!("{l:?} missing: {text:?}"))
+        };
+        assert!(at("access one\n") < at("access two\n"), "{text:?}");
+        at("event\n");
+        at("other worker\n");
+        assert_eq!(text.lines().count(), 4, "{text:?}");
+        // Idle again, the writer is woken by the next line of a batch.
+        std::thread::sleep(TICK * 3);
+        bg.append(3, |b| b.extend_from_slice(b"later\n"));
+        let written = || out.0.lock().unwrap().ends_with(b"later\n");
+        for _ in 0..500 {
+            if written() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(written(), "the line's wake-up did not reach the writer");
+    }
+
+    #[test]
+    fn a_line_cut_by_a_panic_leaves_the_batch_whole() {
+        let (bg, _rx) = sink();
+        bg.append(0, |b| b.extend_from_slice(b"whole\n"));
+        let hit = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            bg.append(0, |b| {
+                b.extend_from_slice(b"half a li");
+                panic!("formatting failed");
+            })
+        }));
+        assert!(hit.is_err());
+        bg.append(0, |b| b.extend_from_slice(b"next\n"));
+        assert_eq!(batch(&bg, 0), b"whole\nnext\n");
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! It protects two things. First, the request thread's time: a line is formatted by
 //! hand (no `tracing` field visitors, no `Debug`, no temporary strings) straight into
 //! its worker's batch buffer of `crate::logging`'s background writer, so a request pays
-//! no allocation and no channel message for its line. Second, the log itself: every value that
+//! no channel message for its line, and no allocation once the buffers have grown. Second, the log itself: every value that
 //! comes from a client (method, path, model, client id) is escaped, so no input can
 //! start a fake line or break the JSON; the query string is never logged (it may carry
 //! keys), nor are bodies, header values or lease owners.
