@@ -42,19 +42,38 @@ pub fn decimal(out: &mut Vec<u8>, n: u64) {
     out.extend_from_slice(digits(n, &mut buf));
 }
 
-/// `n` in decimal, written at the end of `buf`.
+/// `n` in decimal, written at the end of `buf` (two digits per division); the bytes
+/// before it are left as they were.
 pub fn digits(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
     let mut at = buf.len();
-    loop {
+    while n >= 100 {
+        let r = (n % 100) as usize * 2;
+        n /= 100;
+        at -= 2;
+        buf[at..at + 2].copy_from_slice(&PAIRS[r..r + 2]);
+    }
+    if n >= 10 {
+        let r = n as usize * 2;
+        at -= 2;
+        buf[at..at + 2].copy_from_slice(&PAIRS[r..r + 2]);
+    } else {
         at -= 1;
-        buf[at] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
+        buf[at] = b'0' + n as u8;
     }
     &buf[at..]
 }
+
+/// "00" to "99", the two digits of each number below 100.
+const PAIRS: [u8; 200] = {
+    let mut t = [0u8; 200];
+    let mut i = 0;
+    while i < 100 {
+        t[2 * i] = b'0' + (i / 10) as u8;
+        t[2 * i + 1] = b'0' + (i % 10) as u8;
+        i += 1;
+    }
+    t
+};
 
 /// A chunk's size line (`<hex>\r\n`), without allocating.
 pub struct ChunkLine {

@@ -3,10 +3,11 @@
 //! It protects two things. First, the request thread's time: a line is formatted by
 //! hand (no `tracing` field visitors, no `Debug`, no temporary strings) straight into
 //! its worker's batch buffer of `crate::logging`'s background writer, so a request pays
-//! no channel message for its line, and no allocation once the buffers have grown. Second, the log itself: every value that
-//! comes from a client (method, path, model, client id) is escaped, so no input can
-//! start a fake line or break the JSON; the query string is never logged (it may carry
-//! keys), nor are bodies, header values or lease owners.
+//! no channel message for its line, and no allocation once the buffers have grown.
+//! Second, the log itself: every value that comes from a client (method, path, model,
+//! client id) is escaped, so no input can start a fake line or break the JSON; the
+//! query string is never logged (it may carry keys), nor are bodies, header values or
+//! lease owners.
 //!
 //! Invariants: a rendered line is exactly one `\n`-terminated line; JSON lines are one
 //! valid object each; the text format is `key=value` pairs, a value quoted (with JSON
@@ -14,6 +15,7 @@
 
 use super::ctx::AttemptRecord;
 use crate::config::AccessFormat;
+use crate::http1::wire;
 use crate::logging::Background;
 use crate::policy::Millis;
 use std::io::Write;
@@ -281,18 +283,11 @@ fn timestamp(ms: Millis, out: &mut Vec<u8>) {
     out.extend_from_slice(&t);
 }
 
-/// `n`'s last `dst.len()` decimal digits, zero-padded, into `dst`, two at a time.
-fn fill(dst: &mut [u8], mut n: u64) {
-    let mut end = dst.len();
-    while end >= 2 {
-        let r = (n % 100) as usize * 2;
-        dst[end - 2..end].copy_from_slice(&PAIRS[r..r + 2]);
-        n /= 100;
-        end -= 2;
-    }
-    if end == 1 {
-        dst[0] = b'0' + (n % 10) as u8;
-    }
+/// `n`'s last `dst.len()` decimal digits, zero-padded, into `dst`.
+fn fill(dst: &mut [u8], n: u64) {
+    let mut buf = [b'0'; 20];
+    wire::digits(n, &mut buf);
+    dst.copy_from_slice(&buf[buf.len() - dst.len()..]);
 }
 
 /// `label` then `n` in decimal (the formatter's machinery costs more than the line's
@@ -302,39 +297,12 @@ fn num(label: &[u8], n: impl Into<u64>, out: &mut Vec<u8>) {
     digits(n.into(), 1, out);
 }
 
-/// `n` in decimal, zero-padded to at least `width` digits (20 at most, u64::MAX's); two
-/// digits per division.
-fn digits(mut n: u64, width: usize, out: &mut Vec<u8>) {
+/// `n` in decimal, zero-padded to at least `width` digits (20 at most, u64::MAX's).
+fn digits(n: u64, width: usize, out: &mut Vec<u8>) {
     let mut buf = [b'0'; 20];
-    let mut at = buf.len();
-    while n >= 100 {
-        let r = (n % 100) as usize * 2;
-        n /= 100;
-        at -= 2;
-        buf[at..at + 2].copy_from_slice(&PAIRS[r..r + 2]);
-    }
-    if n >= 10 {
-        at -= 2;
-        buf[at..at + 2].copy_from_slice(&PAIRS[n as usize * 2..n as usize * 2 + 2]);
-    } else {
-        at -= 1;
-        buf[at] = b'0' + n as u8;
-    }
-    let start = at.min(buf.len() - width.min(buf.len()));
-    out.extend_from_slice(&buf[start..]);
+    let len = wire::digits(n, &mut buf).len().max(width.min(buf.len()));
+    out.extend_from_slice(&buf[buf.len() - len..]);
 }
-
-/// "00" to "99", the two digits of each number below 100.
-const PAIRS: [u8; 200] = {
-    let mut t = [0u8; 200];
-    let mut i = 0;
-    while i < 100 {
-        t[2 * i] = b'0' + (i / 10) as u8;
-        t[2 * i + 1] = b'0' + (i % 10) as u8;
-        i += 1;
-    }
-    t
-};
 
 /// (year, month, day) of a count of days since 1970-01-01, in the proleptic Gregorian
 /// calendar: counted in 400-year eras starting on 1 March, so the leap day is the last
