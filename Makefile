@@ -69,6 +69,16 @@ bench-instructions: build
 pgo:
 	./scripts/pgo-build.sh
 
+## Release binaries laid out by BOLT from a profile of the request path (needs llvm-bolt,
+## e.g. `apt-get install -y bolt-19`): in target/bolt/opt (`make bolt`), or on top of
+## the profile-guided build in target/pgo-bolt (`make pgo-bolt`). Bench them with
+## `BENCH_BIN=target/bolt/opt ./bench/run.sh` (docs/decisions.md, "Post-link layout with BOLT").
+.PHONY: bolt pgo-bolt
+bolt:
+	./scripts/bolt-build.sh
+pgo-bolt:
+	./scripts/bolt-build.sh --pgo
+
 ## The redis state backend against redb in one run (uncapped, and with a cluster-wide
 ## cap), needs redis-server (bench/RESULTS.md has the recorded runs).
 .PHONY: bench-shared

@@ -73,11 +73,12 @@ YAML
 }
 
 # start_floor -> the bare pass-through (bench/floor.rs) on the mock; sets FLOOR
-# (client address) and FLOOR_PID. FLOOR_BIN overrides the binary, FLOOR_THREADS its
+# (client address) and FLOOR_PID. The binary is BENCH_BIN's examples/floor (built the
+# same way as the gateway measured beside it), or FLOOR_BIN; FLOOR_THREADS sets its
 # client workers (default 2).
 start_floor() {
-  local bin=${FLOOR_BIN:-target/release/examples/floor}
-  [ -x "$bin" ] || { echo "bench: build the floor first (cargo build --release --example floor)" >&2; exit 2; }
+  local bin=${FLOOR_BIN:-$BIN/examples/floor}
+  [ -x "$bin" ] || { echo "bench: no floor at $bin: build it (cargo build --release --example floor) or set FLOOR_BIN" >&2; exit 2; }
   "$bin" --upstream "$MOCK" --threads "${FLOOR_THREADS:-2}" >"$WORK/floor.out" 2>"$WORK/floor.log" &
   FLOOR_PID=$!
   PIDS+=("$FLOOR_PID")
@@ -93,6 +94,15 @@ start_side_by_side() {
   start_floor
   start_nginx 4096
 }
+
+# median V... -> the median of the values that are not "-" ("-" when none is)
+median() {
+  printf '%s\n' "$@" | { grep -v '^-$' || true; } | sort -g | awk '{ v[NR] = $1 }
+    END { if (NR == 0) print "-"; else if (NR % 2) print v[(NR + 1) / 2]; else printf "%.6f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+}
+
+# fmt DECIMALS V -> V rounded ("-" stays)
+fmt() { awk -v f="%.$1f" -v v="$2" 'BEGIN{ if (v == "-") print "-"; else printf f, v }'; }
 
 TICKS=$(getconf CLK_TCK)
 # cpu_ticks PID... -> utime+stime of those processes, in clock ticks

@@ -50,13 +50,6 @@ run_wrk() {
 }
 
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN{ if (a == "-" || b == "-" || b == 0) print "-"; else printf "%.4f", a/b }'; }
-# median V... -> the median of the values that are not "-" ("-" when none is)
-median() {
-  printf '%s\n' "$@" | grep -v '^-$' | sort -g | awk '{ v[NR] = $1 }
-    END { if (NR == 0) print "-"; else if (NR % 2) print v[(NR + 1) / 2]; else printf "%.6f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
-}
-# fmt DECIMALS V -> V rounded ("-" stays)
-fmt() { awk -v f="%.$1f" -v v="$2" 'BEGIN{ if (v == "-") print "-"; else printf f, v }'; }
 
 STAMP=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 mkdir -p bench/out

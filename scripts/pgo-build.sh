@@ -53,20 +53,8 @@ echo "pgo: 2/3 training run"
 BENCH_BIN=$OUT/gen/release . bench/lib.sh
 LLVM_PROFILE_FILE=$WORK/mock-%p.profraw start_mock --chunks 8 --chunk-interval 0ms
 LLVM_PROFILE_FILE=$PROF/raw/sluice-%p.profraw start_sluice
-URL="http://$SLUICE/v1/chat/completions"
-for stream in 0 1; do
-  for conns in 1 32 128; do
-    BENCH_STREAM=$stream wrk -t"$(( conns < 2 ? 1 : 2 ))" -c"$conns" -d4s -s bench/post.lua "$URL" |
-      awk -v s="$stream" -v c="$conns" '/Requests\/sec/ {print "pgo:   stream=" s " conns=" c ": " $2 " req/s"}'
-  done
-done
-# The refusals a client meets most (unknown model, broken JSON, wrong method), so their
-# paths are not laid out as never taken.
-for _ in $(seq 1 50); do
-  curl -s -o /dev/null "$URL" -H 'content-type: application/json' -d '{"model":"nope","messages":[]}'
-  curl -s -o /dev/null "$URL" -H 'content-type: application/json' -d '{"model":'
-  curl -s -o /dev/null "$URL"
-done
+. scripts/training.sh
+train "http://$SLUICE/v1/chat/completions" refusals | sed 's/^/pgo:/'
 # The counts are written when the process exits.
 kill "$SLUICE_PID"
 wait "$SLUICE_PID" 2>/dev/null || true
