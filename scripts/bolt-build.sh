@@ -24,14 +24,13 @@ cd "$(dirname "$0")/.."
 command -v wrk >/dev/null || { echo "bolt: wrk is required (apt-get install wrk)" >&2; exit 2; }
 command -v curl >/dev/null || { echo "bolt: curl is required (apt-get install curl)" >&2; exit 2; }
 
+. scripts/profiling.sh
+
 # llvm-bolt: $LLVM_BOLT, else one on the PATH, else the newest Debian /usr/lib/llvm-N's.
 find_bolt() {
   if [ -n "${LLVM_BOLT:-}" ]; then echo "$LLVM_BOLT"; return; fi
   if command -v llvm-bolt >/dev/null; then command -v llvm-bolt; return; fi
-  local n
-  for n in $(ls -d /usr/lib/llvm-* 2>/dev/null | sed 's|.*/llvm-||' | grep -E '^[0-9]+$' | sort -rn || true); do
-    [ -x "/usr/lib/llvm-$n/bin/llvm-bolt" ] && { echo "/usr/lib/llvm-$n/bin/llvm-bolt"; return; }
-  done
+  debian_llvm llvm-bolt
 }
 BOLT=$(find_bolt || true)
 [ -n "$BOLT" ] && [ -x "$BOLT" ] || {
@@ -75,7 +74,6 @@ cp "$SRC/sluice-mock" "$OUT/instrumented/"
 echo "bolt: 3/4 training run"
 (
   BENCH_BIN=$OUT/instrumented . bench/lib.sh
-  . scripts/training.sh
   start_mock --chunks 8 --chunk-interval 0ms
   start_sluice
   FLOOR_BIN=$OUT/instrumented/floor start_floor

@@ -16,21 +16,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v wrk >/dev/null || { echo "pgo: wrk is required (apt-get install wrk)" >&2; exit 2; }
 
+. scripts/profiling.sh
+
 # llvm-profdata: $LLVM_PROFDATA, else rustup's llvm-tools (rustc's own LLVM), else the
 # Debian llvm-N nearest below rustc's LLVM (a newer one may write an indexed profile
 # rustc cannot read).
 find_profdata() {
   if [ -n "${LLVM_PROFDATA:-}" ]; then echo "$LLVM_PROFDATA"; return; fi
-  local tools major n
+  local tools major
   tools="$(rustc --print sysroot)/lib/rustlib/$(rustc -vV | awk '/^host:/ {print $2}')/bin/llvm-profdata"
   if [ -x "$tools" ]; then echo "$tools"; return; fi
   major=$(rustc -vV | awk '/^LLVM version:/ {split($3, v, "."); print v[1]}')
-  for n in $(ls -d /usr/lib/llvm-* 2>/dev/null | sed 's|.*/llvm-||' | grep -E '^[0-9]+$' | sort -rn || true); do
-    if [ "$n" -le "${major:-0}" ] && [ -x "/usr/lib/llvm-$n/bin/llvm-profdata" ]; then
-      echo "/usr/lib/llvm-$n/bin/llvm-profdata"
-      return
-    fi
-  done
+  debian_llvm llvm-profdata "${major:-0}"
 }
 PROFDATA=$(find_profdata || true)
 [ -n "$PROFDATA" ] && [ -x "$PROFDATA" ] || {
@@ -53,7 +50,6 @@ echo "pgo: 2/3 training run"
 BENCH_BIN=$OUT/gen/release . bench/lib.sh
 LLVM_PROFILE_FILE=$WORK/mock-%p.profraw start_mock --chunks 8 --chunk-interval 0ms
 LLVM_PROFILE_FILE=$PROF/raw/sluice-%p.profraw start_sluice
-. scripts/training.sh
 train "http://$SLUICE/v1/chat/completions" refusals | sed 's/^/pgo:/'
 # The counts are written when the process exits.
 kill "$SLUICE_PID"
