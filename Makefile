@@ -47,12 +47,14 @@ check:
 ## Side-by-side benchmark: direct mock vs the bare floor (no layers) vs Sluice (vs nginx when
 ## installed), CPU µs per request for each gateway, medians of 3 interleaved rounds per
 ## cell; then 1,000 and 8,000
-## concurrent SSE streams (RSS per stream, added chunk gap), then the selection
+## concurrent SSE streams (RSS per stream, added chunk gap), 1,000 again opened over one
+## chunk interval instead of at once (the delay one chunk gets), then the selection
 ## micro-benchmark (bench/RESULTS.md has the recorded runs).
 bench: build
 	$(CARGO) build --release --example floor --example streams
 	BENCH_ROUNDS=$${BENCH_ROUNDS:-3} BENCH_DURATION=$${BENCH_DURATION:-4s} ./bench/run.sh
-	./bench/streams.sh
+	BENCH_STREAM_SPREAD_MS=0 ./bench/streams.sh
+	BENCH_STREAMS=1000 BENCH_STREAM_SPREAD_MS=500 ./bench/streams.sh
 	$(CARGO) bench --bench selection
 
 ## User-space instructions per request of the floor and Sluice, counted by callgrind

@@ -5,7 +5,8 @@
 //! (`cargo build --release --example streams`).
 //!
 //!   streams HOST:PORT PID[,PID...] N   (RSS summed over the PIDs; BENCH_BODY_KIB=K pads
-//!                                       each request to about K KiB)
+//!                                       each request to about K KiB; BENCH_STREAM_SPREAD_MS=S
+//!                                       opens stream i at i·S/N ms instead of all at once)
 //!
 //! A gap is the time between the ends of two consecutive events (`\n\n`) of one stream,
 //! taken when the read that holds the second one returns; the first event of a stream has
@@ -202,7 +203,13 @@ fn percentile(sorted: &[u32], p: f64) -> f64 {
     f64::from(sorted[i]) / 1000.0
 }
 
-async fn run(addr: String, pids: Vec<u32>, n: usize, body_kib: usize) -> Result<(), Failure> {
+async fn run(
+    addr: String,
+    pids: Vec<u32>,
+    n: usize,
+    body_kib: usize,
+    spread: Duration,
+) -> Result<(), Failure> {
     let start = sluice::clock::monotonic();
     let req = Arc::new(request(body_kib));
     let gate = Arc::new(Semaphore::new(CONNECTS_IN_FLIGHT));
@@ -218,10 +225,16 @@ async fn run(addr: String, pids: Vec<u32>, n: usize, body_kib: usize) -> Result<
         deliveries: Vec::with_capacity(n * 24),
     }));
     let mut tasks = tokio::task::JoinSet::new();
-    for _ in 0..n {
+    for i in 0..n {
         let (addr, req, gate, counts) = (addr.clone(), req.clone(), gate.clone(), counts.clone());
         let all = all.clone();
+        let opens_at = spread.mul_f64(i as f64 / n as f64);
         tasks.spawn(async move {
+            // The deadline runs from the stream's own opening. Not spread: no timer at all
+            // (tokio's rounds up to the next millisecond).
+            if !opens_at.is_zero() {
+                tokio::time::sleep_until((start + opens_at).into()).await;
+            }
             let one = stream(start, n, addr, req, gate, counts.clone());
             match tokio::time::timeout(DEADLINE, one).await {
                 Ok(Ok(samples)) => {
@@ -329,9 +342,18 @@ fn main() -> Result<(), Failure> {
     let body_kib = std::env::var("BENCH_BODY_KIB")
         .ok()
         .map_or(Ok(0), |k| k.parse::<usize>())?;
+    let spread = std::env::var("BENCH_STREAM_SPREAD_MS")
+        .ok()
+        .map_or(Ok(0), |ms| ms.parse::<u64>())?;
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?
-        .block_on(run(addr.clone(), pids, n.parse()?, body_kib))
+        .block_on(run(
+            addr.clone(),
+            pids,
+            n.parse()?,
+            body_kib,
+            Duration::from_millis(spread),
+        ))
 }

@@ -12,6 +12,13 @@
 # streams`; `make bench` builds it), on tokio so that its own delay stays small.
 #   BENCH_STREAMS="1000 8000" ./bench/streams.sh   (BENCH_BODY_KIB=64: agent-sized request bodies)
 #   BENCH_STREAM_ROUNDS=3 BENCH_STREAMS=1000 ./bench/streams.sh
+#   BENCH_STREAM_SPREAD_MS=500 BENCH_STREAMS=1000 ./bench/streams.sh
+# By default every stream is opened at once, so the mock's chunks come in a burst of a
+# thousand every 500 ms: the delay it adds is then mostly how long the gateway takes to
+# work through the burst on cores it shares with the client and the mock. With
+# BENCH_STREAM_SPREAD_MS=S stream i opens at i·S/N ms (S=500: evenly over one chunk
+# interval, as independent agents' streams would be), and the added delay is what the
+# gateway adds to one chunk passing through it.
 # With BENCH_STREAM_ROUNDS=N each count is measured N times (direct, then each proxy, per
 # round), and a last table gives each proxy's median added delays: the tail of a
 # thousand streams on two shared cores moves by milliseconds from one run to the next,
@@ -28,7 +35,16 @@ CLIENT=${BENCH_STREAMS_CLIENT:-target/release/examples/streams}
 start_mock --chunks 20 --chunk-interval 500ms --stamp-chunks
 SLUICE_LOG=${SLUICE_LOG:-warn} start_sluice
 start_nginx 20000
-echo "## $(date -u +%Y-%m-%dT%H:%M:%SZ) — SSE streams, $(nproc) cores, file limit $(ulimit -n)"
+SPREAD=${BENCH_STREAM_SPREAD_MS:-0}
+# A stream lasts 20 chunks × 500 ms: spread wider, the first would end before the last opens.
+[[ "$SPREAD" =~ ^[0-9]{1,5}$ ]] && [ "$SPREAD" -lt 10000 ] || {
+  echo "bench: BENCH_STREAM_SPREAD_MS must be a whole number of ms below 10000 (a stream's length)" >&2
+  exit 2
+}
+export BENCH_STREAM_SPREAD_MS=$SPREAD
+OPENED="all opened at once"
+[ "$SPREAD" -gt 0 ] && OPENED="opened evenly over $SPREAD ms"
+echo "## $(date -u +%Y-%m-%dT%H:%M:%SZ) — SSE streams ($OPENED), $(nproc) cores, file limit $(ulimit -n)"
 # added A B [DECIMALS] -> A - B, with one decimal unless told
 added() { awk -v a="$1" -v b="$2" -v f="%.${3:-1}f" 'BEGIN{printf f, a-b}'; }
 rows=()
