@@ -35,6 +35,7 @@ PROFDATA=$(find_profdata || true)
   exit 2
 }
 command -v curl >/dev/null || { echo "pgo: curl is required (apt-get install curl)" >&2; exit 2; }
+echo "pgo: llvm-profdata: $PROFDATA"
 
 OUT=target/pgo
 PROF=$PWD/$OUT/profile
