@@ -2,6 +2,9 @@
 # the mock and the gateway started on OS-chosen ports, and their addresses read from
 # their `LISTENING <name> <addr>` lines.
 
+# Every request a bench makes goes to 127.0.0.1: never through a proxy set in the
+# environment (a container build may pass one in).
+export no_proxy=127.0.0.1,localhost NO_PROXY=127.0.0.1,localhost
 BIN=${BENCH_BIN:-target/release}
 [ -x "$BIN/sluice" ] && [ -x "$BIN/sluice-mock" ] || { echo "bench: build first (make build)" >&2; exit 2; }
 WORK=$(mktemp -d /tmp/sluice-bench.XXXXXX)

@@ -9,7 +9,8 @@
 #   ./scripts/pgo-build.sh        # or: make pgo
 #
 # Needs wrk, curl and an llvm-profdata that reads the raw profiles of rustc's LLVM
-# (found as below; Debian's llvm-19 reads rustc 1.95's: `apt-get install -y llvm-19`).
+# (found as below): rustup's `rustup component add llvm-tools` always does; Debian's
+# llvm-19 reads rustc 1.95's (`apt-get install -y llvm-19`).
 # RUSTFLAGS from the environment are kept (and, as with any RUSTFLAGS, replace
 # `build.rustflags` of a cargo config). Takes about three release builds' time.
 set -euo pipefail
@@ -31,7 +32,7 @@ find_profdata() {
 }
 PROFDATA=$(find_profdata || true)
 [ -n "$PROFDATA" ] && [ -x "$PROFDATA" ] || {
-  echo "pgo: llvm-profdata not found: set LLVM_PROFDATA, or apt-get install -y llvm-19" >&2
+  echo "pgo: llvm-profdata not found: set LLVM_PROFDATA, or rustup component add llvm-tools, or apt-get install -y llvm-19" >&2
   exit 2
 }
 command -v curl >/dev/null || { echo "pgo: curl is required (apt-get install curl)" >&2; exit 2; }
