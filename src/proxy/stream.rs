@@ -31,7 +31,7 @@ use crate::clock::monotonic;
 use crate::codes::AbortReason;
 use crate::policy::watchdog::{classify_event, ThroughputWatchdog, WatchdogConfig};
 use crate::server::conn::ClientConn;
-use crate::server::lifecycle::until_set;
+use crate::server::lifecycle::StopWait;
 use crate::sse::{SseAssembler, SseEvent, SseProgress};
 use bytes::{Bytes, BytesMut};
 use std::pin::pin;
@@ -122,9 +122,11 @@ impl<'r, 'a> Pump<'r, 'a> {
         first: Bytes,
     ) -> StreamEnd {
         let stall = self.req.snap.config.resilience.stream.stall_timeout;
-        // Subscribed at the first wait: a body already in hand ends without one (each
-        // subscription writes a count every thread shares).
-        let mut stopping = None;
+        // One wait for the shutdown over the whole body, raced by every read: it
+        // subscribes at the first read that waits (a body already in hand ends without
+        // one; each subscription writes a count every thread shares) and stays
+        // registered between chunks.
+        let mut stop = StopWait::new(&self.req.engine.lifecycle);
         let mut next = Some(first);
         loop {
             if let Some(chunk) = next.take() {
@@ -133,12 +135,11 @@ impl<'r, 'a> Pump<'r, 'a> {
                 }
             }
             let until = (self.last_progress + stall).min(self.deadline);
-            let stopping = stopping.get_or_insert_with(|| self.req.engine.lifecycle.stopping());
             let read = async {
                 tokio::select! {
                     biased;
                     r = up.read_body() => Some(r),
-                    _ = until_set(stopping) => None,
+                    _ = &mut stop => None,
                 }
             };
             let got = match watch.race(conn, until, pin!(read)).await {

@@ -37,6 +37,7 @@ use futures::FutureExt;
 use pingora::server::ShutdownWatch;
 use std::io;
 use std::pin::Pin;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -691,19 +692,27 @@ pub enum Watched {
 
 /// Resolves when the client closes the connection or it fails (`true`), or when it
 /// sends bytes (`false`, kept in `buf`).
+///
+/// It waits through the socket's own read-readiness slot (`poll_read_ready`), free
+/// while a request is answered, rather than `readable()`, whose future joins and later
+/// leaves a locked waiter list on every wait: a streamed body waits once per chunk.
 async fn closed_or_data(io: &TcpStream, buf: &mut BytesMut) -> bool {
-    loop {
-        if io.readable().await.is_err() {
-            return true;
+    std::future::poll_fn(|cx| loop {
+        match io.poll_read_ready(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(Err(_)) => return Poll::Ready(true),
+            Poll::Ready(Ok(())) => {}
         }
         reserve(buf);
         match io.try_read_buf(buf) {
-            Ok(0) => return true,
-            Ok(_) => return false,
+            Ok(0) => return Poll::Ready(true),
+            Ok(_) => return Poll::Ready(false),
+            // Readiness cleared: the next poll registers the waker again.
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(_) => return true,
+            Err(_) => return Poll::Ready(true),
         }
-    }
+    })
+    .await
 }
 
 /// Whether `buf` holds the end of a head: a line feed followed by an empty line (`\n\n`
@@ -1100,5 +1109,77 @@ mod tests {
         assert_eq!(request(&mut conn).await.path(), "/b");
         drop(client);
         assert_eq!(conn.watch(later, true).await, Watched::Closed);
+    }
+
+    #[tokio::test]
+    async fn each_wait_ends_at_its_own_deadline_whatever_the_one_before() {
+        let (mut conn, _client, _stop) = asked(b"GET /a HTTP/1.1\r\n\r\n").await;
+        let now = crate::clock::monotonic;
+        // A far deadline, then a sooner one: the second is not held to the first's.
+        let far = now() + Duration::from_secs(30);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), conn.watch(far, true))
+                .await
+                .is_err()
+        );
+        let soon = now() + Duration::from_millis(40);
+        let ended = tokio::time::timeout(Duration::from_secs(5), conn.watch(soon, true)).await;
+        assert_eq!(ended.ok(), Some(Watched::Deadline));
+        assert!(now() >= soon);
+        // A sooner deadline, then a later one: the timer still set for the first does
+        // not end the second early.
+        let first = now() + Duration::from_millis(20);
+        // Given up before its deadline (or not, on a stalled machine: the timer is left
+        // set for `first` either way).
+        let _ = tokio::time::timeout(Duration::from_millis(5), conn.watch(first, true)).await;
+        let second = now() + Duration::from_millis(150);
+        assert_eq!(conn.watch(second, true).await, Watched::Deadline);
+        assert!(now() >= second, "ended before its deadline");
+    }
+
+    #[tokio::test]
+    async fn a_client_leaving_while_watched_ends_the_wait() {
+        let (mut conn, client, _stop) = asked(b"GET /a HTTP/1.1\r\n\r\n").await;
+        // The wait has registered for readiness (nothing to read yet) when the client
+        // goes: the close must wake it, not the 5 s deadline.
+        let leaver = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            drop(client);
+        });
+        let until = crate::clock::monotonic() + Duration::from_secs(5);
+        assert_eq!(
+            watched_within(&mut conn, until).await,
+            Some(Watched::Closed)
+        );
+        leaver.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_watch_after_taking_bytes_still_sees_the_client_leave() {
+        let (mut conn, mut client, _stop) = asked(b"GET /a HTTP/1.1\r\n\r\n").await;
+        client.write_all(b"GET /b HTTP/1.1\r\n\r\n").await.unwrap();
+        let until = crate::clock::monotonic() + Duration::from_secs(5);
+        assert_eq!(conn.watch(until, true).await, Watched::Data);
+        // The socket may still read as ready from those bytes: the next watch finds
+        // nothing to read, waits again, and is woken by the close.
+        let leaver = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            drop(client);
+        });
+        assert_eq!(
+            watched_within(&mut conn, until).await,
+            Some(Watched::Closed)
+        );
+        leaver.await.unwrap();
+    }
+
+    /// What `watch` saw, or `None` when it was not woken within 2 s (the limit polled
+    /// first, so a wait that was never woken cannot pass on a late poll).
+    async fn watched_within(conn: &mut ClientConn, until: Instant) -> Option<Watched> {
+        tokio::select! {
+            biased;
+            _ = tokio::time::sleep(Duration::from_secs(2)) => None,
+            w = conn.watch(until, true) => Some(w),
+        }
     }
 }

@@ -8,8 +8,12 @@
 //! SSE error event (reason `shutdown`) and gets a moment to write it; a second stop
 //! signal during the drain exits at once.
 
+use futures::task::AtomicWaker;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 use tokio::sync::{watch, Notify};
 
@@ -107,6 +111,78 @@ pub async fn until_set(rx: &mut watch::Receiver<bool>) {
     let _ = rx.wait_for(|v| *v).await;
 }
 
+/// A stream's wait for [`Lifecycle::stop_streams`], raced by each of its reads (once per
+/// chunk). The first poll subscribes; after that the channel's wait is polled again only
+/// once the channel woke it, so a poll between chunks is an atomic swap, not a lock of
+/// the channel's waiter list. Resolves, like [`until_set`], when streams must stop.
+pub struct StopWait<'l> {
+    life: &'l Lifecycle,
+    wait: Option<(ChannelWait, Arc<Woken>)>,
+    done: bool,
+}
+
+/// The channel's own wait ([`until_set`] on a subscription it owns).
+type ChannelWait = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Set by the channel's wake-up, taken by the next poll; `task` is the stream's waker.
+struct Woken {
+    woken: AtomicBool,
+    task: AtomicWaker,
+}
+
+impl Wake for Woken {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.woken.store(true, Ordering::Release);
+        self.task.wake();
+    }
+}
+
+impl<'l> StopWait<'l> {
+    /// Nothing is subscribed until the first poll.
+    pub fn new(life: &'l Lifecycle) -> Self {
+        StopWait {
+            life,
+            wait: None,
+            done: false,
+        }
+    }
+}
+
+impl Future for StopWait<'_> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        if this.done {
+            return Poll::Ready(());
+        }
+        let life = this.life;
+        let (wait, woken) = this.wait.get_or_insert_with(|| {
+            let mut rx = life.stopping();
+            let wait: ChannelWait = Box::pin(async move { until_set(&mut rx).await });
+            // Set, so the first poll below polls the channel (and subscribes to it).
+            let woken = Woken {
+                woken: AtomicBool::new(true),
+                task: AtomicWaker::new(),
+            };
+            (wait, Arc::new(woken))
+        });
+        // Registered before the flag is read: a wake-up in between still wakes the task.
+        woken.task.register(cx.waker());
+        if !woken.woken.swap(false, Ordering::AcqRel) {
+            return Poll::Pending;
+        }
+        let waker = Waker::from(Arc::clone(woken));
+        let out = wait.as_mut().poll(&mut Context::from_waker(&waker));
+        this.done = out.is_ready();
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -144,5 +220,73 @@ mod tests {
         assert!(life.is_draining());
         life.stop_streams();
         until_set(&mut life.stopping()).await;
+    }
+
+    /// Counts the wake-ups a task would get.
+    struct Wakes(AtomicUsize);
+
+    impl Wake for Wakes {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn a_stop_wait_wakes_its_task_and_resolves_when_streams_stop() {
+        let life = Lifecycle::new();
+        let wakes = Arc::new(Wakes(AtomicUsize::new(0)));
+        let waker = Waker::from(Arc::clone(&wakes));
+        let mut cx = Context::from_waker(&waker);
+        let mut wait = StopWait::new(&life);
+        // Polled once per chunk while nothing stops: pending, and no wake-up.
+        for _ in 0..3 {
+            assert!(Pin::new(&mut wait).poll(&mut cx).is_pending());
+        }
+        assert_eq!(wakes.0.load(Ordering::SeqCst), 0);
+        life.stop_streams();
+        assert_eq!(
+            wakes.0.load(Ordering::SeqCst),
+            1,
+            "the stream's task is woken"
+        );
+        assert!(Pin::new(&mut wait).poll(&mut cx).is_ready());
+        assert!(
+            Pin::new(&mut wait).poll(&mut cx).is_ready(),
+            "stays resolved"
+        );
+    }
+
+    #[test]
+    fn a_stop_wait_begun_after_the_stop_resolves_at_once() {
+        let life = Lifecycle::new();
+        life.stop_streams();
+        let waker = Waker::from(Arc::new(Wakes(AtomicUsize::new(0))));
+        let mut wait = StopWait::new(&life);
+        assert!(Pin::new(&mut wait)
+            .poll(&mut Context::from_waker(&waker))
+            .is_ready());
+    }
+
+    #[tokio::test]
+    async fn a_stream_waiting_on_its_read_is_stopped() {
+        let life = Lifecycle::new();
+        let stopper = {
+            let life = life.clone();
+            tokio::spawn(async move {
+                tokio::task::yield_now().await;
+                life.stop_streams();
+            })
+        };
+        // A read that never completes, raced as the stream phase races it. The limit
+        // comes first: a wait that was never woken must not pass on a late poll.
+        let mut wait = StopWait::new(&life);
+        let stopped = tokio::select! {
+            biased;
+            _ = tokio::time::sleep(Duration::from_secs(5)) => false,
+            _ = std::future::pending::<()>() => false,
+            _ = &mut wait => true,
+        };
+        assert!(stopped, "the stream's wait was not woken by the stop");
+        stopper.await.unwrap();
     }
 }
