@@ -57,12 +57,13 @@ bench: build
 	BENCH_STREAMS=1000 BENCH_STREAM_SPREAD_MS=500 ./bench/streams.sh
 	$(CARGO) bench --bench selection
 
-## User-space instructions per request of the floor and Sluice, counted by callgrind
-## (needs valgrind): the steady measure of the request path's own work.
+## User-space instructions per request of the floor and Sluice, then per streamed chunk,
+## counted by callgrind (needs valgrind): the steady measure of the request path's own work.
 .PHONY: bench-instructions
 bench-instructions: build
-	$(CARGO) build --release --example floor
+	$(CARGO) build --release --example floor --example streams
 	./bench/instructions.sh
+	./bench/chunks.sh
 
 ## A release build optimised with a profile of the request path (PGO; needs llvm-profdata,
 ## e.g. `apt-get install -y llvm-19`): binaries in target/pgo/release. Bench them with

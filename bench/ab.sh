@@ -18,6 +18,7 @@ DUR=${BENCH_DURATION:-8s}
 CONNS=${BENCH_CONNS:-32}
 command -v wrk >/dev/null || { echo "bench: wrk is required (apt-get install wrk)" >&2; exit 2; }
 BENCH_BIN=$B . bench/lib.sh
+rounds_or_exit BENCH_ROUNDS "$ROUNDS"
 # shellcheck disable=SC2086 # BENCH_MOCK holds several arguments
 start_mock ${BENCH_MOCK:---chunks 8 --chunk-interval 0ms}
 BIN=$A start_sluice a; SA=$SLUICE; PA=$SLUICE_PID
@@ -35,7 +36,6 @@ one() {
   n=$(echo "$out" | awk '/requests in/ {print $1}')
   echo "$rps $(awk -v t=$((after - before)) -v hz="$TICKS" -v n="$n" 'BEGIN{printf "%.1f", t / hz * 1e6 / n}')"
 }
-median() { sort -n | awk '{a[NR]=$1} END{print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
 echo "A=$A  B=$B  rounds=$ROUNDS  duration=$DUR  conns=$CONNS  ($(date -u +%Y-%m-%dT%H:%M:%SZ), $(nproc) cores)"
 for stream in 0 1; do
@@ -46,7 +46,7 @@ for stream in 0 1; do
     read -r x y <<<"$(one "$SB" "$PB" "$stream")"; rb+=("$x"); cb+=("$y")
     echo "$mode round $r: A ${ra[-1]} rps ${ca[-1]} µs/req | B ${rb[-1]} rps ${cb[-1]} µs/req"
   done
-  mra=$(printf '%s\n' "${ra[@]}" | median); mrb=$(printf '%s\n' "${rb[@]}" | median)
-  mca=$(printf '%s\n' "${ca[@]}" | median); mcb=$(printf '%s\n' "${cb[@]}" | median)
+  mra=$(fmt 2 "$(median "${ra[@]}")"); mrb=$(fmt 2 "$(median "${rb[@]}")")
+  mca=$(fmt 1 "$(median "${ca[@]}")"); mcb=$(fmt 1 "$(median "${cb[@]}")")
   echo "| $mode | $CONNS | $mra | $mrb | $(awk -v a="$mra" -v b="$mrb" 'BEGIN{printf "%.2f", b/a}') | $mca | $mcb |"
 done

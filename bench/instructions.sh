@@ -32,15 +32,9 @@ SIM=""
 start_mock --chunks 8 --chunk-interval 0ms
 KEEP=${BENCH_KEEP:-$WORK/cg}
 
-# wrap NAME BINARY -> a directory holding NAME, which runs BINARY under callgrind with
-# the instrumentation off until it is switched on
-wrap() {
-  mkdir -p "$WORK/wrap-$1"
-  printf '#!/bin/sh\nexec valgrind --tool=callgrind --instr-atstart=no %s --callgrind-out-file=%s %s "$@"\n' \
-    "$SIM" "$KEEP-$1.out" "$(realpath "$2")" >"$WORK/wrap-$1/$1"
-  chmod +x "$WORK/wrap-$1/$1"
-  echo "$WORK/wrap-$1"
-}
+# wrap NAME BINARY -> a directory holding NAME: BINARY under callgrind, into $KEEP-NAME.out
+# shellcheck disable=SC2086 # SIM holds zero to two options
+wrap() { callgrind_wrap "$1" "$2" "$KEEP-$1.out" $SIM; }
 
 # count NAME ADDR PID -> a table row: NAME, requests, Ir, Ir per request (and, with the
 # cache simulated, I1, D1 and last-level data misses per request)

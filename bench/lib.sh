@@ -100,8 +100,27 @@ start_side_by_side() {
 
 # median V... -> the median of the values that are not "-" ("-" when none is)
 median() {
-  printf '%s\n' "$@" | { grep -v '^-$' || true; } | sort -g | awk '{ v[NR] = $1 }
+  printf '%s\n' "$@" | { grep -v -e '^-$' -e '^$' || true; } | sort -g | awk '{ v[NR] = $1 }
     END { if (NR == 0) print "-"; else if (NR % 2) print v[(NR + 1) / 2]; else printf "%.6f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+}
+
+# callgrind_wrap NAME BINARY OUT [VALGRIND_OPTION...] -> a directory holding NAME, which
+# runs BINARY under callgrind (results in OUT) with the instrumentation off until
+# `callgrind_control -i on PID` switches it on
+callgrind_wrap() {
+  local name=$1 bin=$2 out=$3
+  shift 3
+  mkdir -p "$WORK/wrap-$name"
+  printf '#!/bin/sh\nexec valgrind --tool=callgrind --instr-atstart=no %s --callgrind-out-file=%s %s "$@"\n' \
+    "$*" "$out" "$(realpath "$bin")" >"$WORK/wrap-$name/$name"
+  chmod +x "$WORK/wrap-$name/$name"
+  echo "$WORK/wrap-$name"
+}
+
+# rounds_or_exit NAME VALUE -> exits (status 2) unless VALUE, the setting NAME's, is a
+# whole number ≥ 1
+rounds_or_exit() {
+  [[ "$2" =~ ^[1-9][0-9]*$ ]] || { echo "bench: $1 must be a whole number ≥ 1" >&2; exit 2; }
 }
 
 # fmt DECIMALS V -> V rounded ("-" stays)

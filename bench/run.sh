@@ -4,7 +4,9 @@
 # Sluice, and through nginx (when installed), non-streaming and streaming, at several
 # concurrencies, in one run on one machine. Prints requests/s, p50/p99 latency, gateway
 # CPU µs per request (utime+stime from /proc ÷ requests) and the ratios; writes the
-# table to bench/out/<timestamp>.md as well.
+# table to bench/out/<timestamp>.md as well, and every round's own figures to
+# bench/out/<timestamp>.rounds.tsv (mode, conns, round, target, rps, p50 and p99 ms, CPU
+# µs per request), so a cell's median can be traced back to its rounds.
 #
 #   BENCH_DURATION=10s BENCH_CONNS="1 32 128" ./bench/run.sh
 #   BENCH_ROUNDS=3 BENCH_DURATION=4s ./bench/run.sh   # each cell measured in 3 rounds
@@ -20,8 +22,8 @@ cd "$(dirname "$0")/.."
 DUR=${BENCH_DURATION:-10s}
 CONNS=${BENCH_CONNS:-"1 32 128"}
 ROUNDS=${BENCH_ROUNDS:-1}
-[[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "bench: BENCH_ROUNDS must be a whole number ≥ 1" >&2; exit 2; }
 . bench/lib.sh
+rounds_or_exit BENCH_ROUNDS "$ROUNDS"
 start_side_by_side
 
 # to_ms "123.45us" -> milliseconds
@@ -54,6 +56,8 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN{ if (a == "-" || b == "-" || b == 0) pr
 STAMP=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 mkdir -p bench/out
 REPORT="bench/out/$(date -u +%Y%m%d-%H%M%S).md"
+ROUNDS_TSV="${REPORT%.md}.rounds.tsv"
+printf 'mode\tconns\tround\ttarget\trps\tp50_ms\tp99_ms\tcpu_us_per_req\n' >"$ROUNDS_TSV"
 {
   echo "## $STAMP — $(uname -m), $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo)"
   echo
@@ -96,6 +100,7 @@ for stream in 0 1; do
           nginx) [ -n "$NGINX" ] || continue; v=$(run_wrk "$NGINX" "$stream" "$c" "${NGINX_PIDS[@]}") ;;
         esac
         read -r "F[$t,rps,$r]" "F[$t,p50,$r]" "F[$t,p99,$r]" "F[$t,us,$r]" <<<"$v"
+        printf '%s\t%s\t%s\t%s\t%s\n' "$mode" "$c" "$(( r + 1 ))" "$t" "${v// /$'\t'}" >>"$ROUNDS_TSV"
       done
     done
     echo "| $mode | $c | $(fmt 2 "$(med direct rps)") | $(fmt 2 "$(med floor rps)") | $(fmt 2 "$(med sluice rps)") | $(fmt 2 "$(med nginx rps)") | $(fmt 2 "$(per_round ratio sluice rps nginx rps)") | $(fmt 2 "$(per_round ratio sluice rps floor rps)") | $(fmt 2 "$(per_round ratio floor rps nginx rps)") | $(ms direct p50) / $(ms direct p99) | $(ms floor p50) / $(ms floor p99) | $(ms sluice p50) / $(ms sluice p99) | $(ms nginx p50) / $(ms nginx p99) | $(fmt 3 "$(per_round minus sluice p50 direct p50)") / $(fmt 3 "$(per_round minus sluice p99 direct p99)") | $(fmt 1 "$(med floor us)") | $(fmt 1 "$(med sluice us)") | $(fmt 1 "$(med nginx us)") | $(fmt 2 "$(per_round ratio sluice us nginx us)") |" | tee -a "$REPORT"
@@ -104,4 +109,4 @@ for stream in 0 1; do
 done
 echo
 echo "Sluice RSS after the run: $(ps -o rss= -p "$SLUICE_PID" | awk '{printf "%.1f MB", $1/1024}')" | tee -a "$REPORT"
-echo "report: $REPORT"
+echo "report: $REPORT (rounds: $ROUNDS_TSV)"

@@ -18,6 +18,7 @@ CAP=${BENCH_CAP:-64}
 command -v wrk >/dev/null || { echo "bench: wrk is required (apt-get install wrk)" >&2; exit 2; }
 command -v redis-server >/dev/null || { echo "bench: redis-server is required (apt-get install redis-server)" >&2; exit 2; }
 . bench/lib.sh
+rounds_or_exit BENCH_ROUNDS "$ROUNDS"
 start_mock --chunks 8 --chunk-interval 0ms
 RPORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 redis-server --port "$RPORT" --bind 127.0.0.1 --save "" --appendonly no >"$WORK/redis.log" 2>&1 &
@@ -37,7 +38,6 @@ one() {
   n=$(echo "$out" | awk '/requests in/ {print $1}')
   echo "$rps $(awk -v t=$((after - before)) -v hz="$TICKS" -v n="$n" 'BEGIN{printf "%.1f", t / hz * 1e6 / n}') $(awk -v t=$((rafter - rbefore)) -v hz="$TICKS" -v n="$n" 'BEGIN{printf "%.1f", t / hz * 1e6 / n}')"
 }
-median() { sort -n | awk '{a[NR]=$1} END{print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
 echo "redb (A) vs redis (B)  rounds=$ROUNDS  duration=$DUR  conns=$CONNS  ($(date -u +%Y-%m-%dT%H:%M:%SZ), $(nproc) cores, $(redis-server --version | awk '{print $3}'))"
 echo "| case | c | redb req/s | redis req/s | redis ÷ redb | redb µs/req | redis µs/req | redis-server µs/req |"
@@ -52,9 +52,9 @@ for case in uncapped capped; do
     read -r x y z <<<"$(one "$SB" "$PB")"; rb+=("$x"); cb+=("$y"); cr+=("$z")
     echo "$case round $r: redb ${ra[-1]} rps ${ca[-1]} µs/req | redis ${rb[-1]} rps ${cb[-1]} µs/req (+ redis-server ${cr[-1]})" >&2
   done
-  mra=$(printf '%s\n' "${ra[@]}" | median); mrb=$(printf '%s\n' "${rb[@]}" | median)
-  mca=$(printf '%s\n' "${ca[@]}" | median); mcb=$(printf '%s\n' "${cb[@]}" | median)
-  mcr=$(printf '%s\n' "${cr[@]}" | median)
+  mra=$(fmt 2 "$(median "${ra[@]}")"); mrb=$(fmt 2 "$(median "${rb[@]}")")
+  mca=$(fmt 1 "$(median "${ca[@]}")"); mcb=$(fmt 1 "$(median "${cb[@]}")")
+  mcr=$(fmt 1 "$(median "${cr[@]}")")
   echo "| $case | $CONNS | $mra | $mrb | $(awk -v a="$mra" -v b="$mrb" 'BEGIN{printf "%.2f", b/a}') | $mca | $mcb | $mcr |"
   kill "$PA" "$PB" 2>/dev/null || true
 done

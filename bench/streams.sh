@@ -28,10 +28,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 COUNTS=${BENCH_STREAMS:-"1000 8000"}
 ROUNDS=${BENCH_STREAM_ROUNDS:-1}
-[[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || { echo "bench: BENCH_STREAM_ROUNDS must be a whole number ≥ 1" >&2; exit 2; }
 CLIENT=${BENCH_STREAMS_CLIENT:-target/release/examples/streams}
 [ -x "$CLIENT" ] || { echo "bench: build the client first (cargo build --release --example streams)" >&2; exit 2; }
 . bench/lib.sh
+rounds_or_exit BENCH_STREAM_ROUNDS "$ROUNDS"
 start_mock --chunks 20 --chunk-interval 500ms --stamp-chunks
 SLUICE_LOG=${SLUICE_LOG:-warn} start_sluice
 start_nginx 20000

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# User-space instructions per streamed chunk, counted by valgrind's callgrind: the floor
+# (bench/floor.rs) and Sluice each carry N SSE streams (BENCH_STREAMS, default 200, all
+# opened at once) of 20 chunks, then N of 10 chunks, the mock's chunks 500 ms apart (each
+# one read, guarded and written on its own, as an LLM's tokens are). The difference of
+# the two counts divided by N × 10 is what one more chunk costs, the streams' requests
+# and connections taken out. A long stream is mostly chunks: this is the figure its
+# user-space CPU follows. Like instructions.sh, the count hardly moves from run to run;
+# it does not see the system calls and wake-ups, which cost a chunk more than this does.
+#
+#   ./bench/chunks.sh                          # both, the build in target/release
+#   BENCH_WHICH=sluice BENCH_STREAMS=100 ./bench/chunks.sh
+#
+# Needs valgrind (apt-get install valgrind) and the streams client (cargo build --release
+# --example streams).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+command -v valgrind >/dev/null || { echo "bench: valgrind is required (apt-get install valgrind)" >&2; exit 2; }
+WHICH=${BENCH_WHICH:-"floor sluice"}
+N=${BENCH_STREAMS:-200}
+[[ "$N" =~ ^[1-9][0-9]{0,3}$ ]] || { echo "bench: BENCH_STREAMS must be a whole number from 1 to 9999" >&2; exit 2; }
+CLIENT=${BENCH_STREAMS_CLIENT:-target/release/examples/streams}
+[ -x "$CLIENT" ] || { echo "bench: build the client first (cargo build --release --example streams)" >&2; exit 2; }
+. bench/lib.sh
+export BENCH_STREAM_SPREAD_MS=0
+
+# carried NAME CHUNKS -> sets CARRIED: the user-space instructions of gateway NAME (floor
+# or sluice) while N streams of CHUNKS chunks pass through it, on a mock and a gateway of
+# their own (started here, not in a subshell, so the exit's cleanup stops them)
+carried() {
+  local name=$1 chunks=$2 out=$WORK/cg-$1-$2.out dir addr pid
+  rm -f "$WORK/mock.out"
+  start_mock --chunks "$chunks" --chunk-interval 500ms --stamp-chunks
+  case $name in
+    floor)
+      dir=$(callgrind_wrap "floor-$chunks" "${FLOOR_BIN:-$BIN/examples/floor}" "$out")
+      FLOOR_BIN=$dir/floor-$chunks start_floor
+      addr=$FLOOR pid=$FLOOR_PID ;;
+    sluice)
+      dir=$(callgrind_wrap "sluice-$chunks" "$BIN/sluice" "$out")
+      mv "$dir/sluice-$chunks" "$dir/sluice"
+      BIN=$dir SLUICE_LOG=warn start_sluice "sluice-$chunks"
+      addr=$SLUICE pid=$SLUICE_PID ;;
+  esac
+  # A first round unmeasured: connections, pools and allocator warm.
+  "$CLIENT" "$addr" "$pid" 20 >/dev/null 2>&1
+  callgrind_control -i on "$pid" >/dev/null 2>&1
+  "$CLIENT" "$addr" "$pid" "$N" 2>/dev/null | awk -v n="$N" '/^RESULT/ { seen = 1; if ($3 != n) { print "bench: not every stream completed: " $0 > "/dev/stderr"; exit 1 } }
+    END { if (!seen) { print "bench: the streams client gave no result" > "/dev/stderr"; exit 1 } }'
+  callgrind_control -i off "$pid" >/dev/null 2>&1
+  callgrind_control -d "$pid" >/dev/null 2>&1
+  sleep 1
+  CARRIED=$(callgrind_annotate "$out.1" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", ""); print $1 }')
+  kill "$pid" "$MOCK_PID" 2>/dev/null || true
+}
+
+echo "user-space instructions per streamed chunk ($(date -u +%Y-%m-%dT%H:%M:%SZ), $N streams opened at once, chunks 500 ms apart)"
+echo "| gateway | instructions, 20 chunks | instructions, 10 chunks | per chunk |"
+echo "|---|---|---|---|"
+for w in $WHICH; do
+  case $w in floor | sluice) ;; *) echo "bench: BENCH_WHICH takes floor and sluice" >&2; exit 2 ;; esac
+  carried "$w" 20
+  long=$CARRIED
+  carried "$w" 10
+  short=$CARRIED
+  echo "| $w | $long | $short | $(awk -v a="$long" -v b="$short" -v n="$N" 'BEGIN { printf "%.0f", (a - b) / (n * 10) }') |"
+done
