@@ -11,8 +11,11 @@
 #   ./bench/chunks.sh                          # both, the build in target/release
 #   BENCH_WHICH=sluice BENCH_STREAMS=100 ./bench/chunks.sh
 #
-# Needs valgrind (apt-get install valgrind) and the streams client (cargo build --release
-# --example streams).
+# The mock stamps each chunk (a comment line the streams client reads its send time from,
+# as in streams.sh): Sluice's stream guards read it like any other line.
+#
+# Needs valgrind (apt-get install valgrind), the streams client and the floor (cargo
+# build --release --example streams --example floor).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v valgrind >/dev/null || { echo "bench: valgrind is required (apt-get install valgrind)" >&2; exit 2; }
@@ -23,6 +26,12 @@ CLIENT=${BENCH_STREAMS_CLIENT:-target/release/examples/streams}
 [ -x "$CLIENT" ] || { echo "bench: build the client first (cargo build --release --example streams)" >&2; exit 2; }
 . bench/lib.sh
 export BENCH_STREAM_SPREAD_MS=0
+for w in $WHICH; do
+  case $w in floor | sluice) ;; *) echo "bench: BENCH_WHICH takes floor and sluice" >&2; exit 2 ;; esac
+done
+case " $WHICH " in *" floor "*)
+  [ -x "${FLOOR_BIN:-$BIN/examples/floor}" ] || { echo "bench: build the floor first (cargo build --release --example floor)" >&2; exit 2; } ;;
+esac
 
 # carried NAME CHUNKS -> sets CARRIED: the user-space instructions of gateway NAME (floor
 # or sluice) while N streams of CHUNKS chunks pass through it, on a mock and a gateway of
@@ -33,6 +42,7 @@ carried() {
   start_mock --chunks "$chunks" --chunk-interval 500ms --stamp-chunks
   case $name in
     floor)
+      rm -f "$WORK/floor.out"
       dir=$(callgrind_wrap "floor-$chunks" "${FLOOR_BIN:-$BIN/examples/floor}" "$out")
       FLOOR_BIN=$dir/floor-$chunks start_floor
       addr=$FLOOR pid=$FLOOR_PID ;;
@@ -50,15 +60,17 @@ carried() {
   callgrind_control -i off "$pid" >/dev/null 2>&1
   callgrind_control -d "$pid" >/dev/null 2>&1
   sleep 1
-  CARRIED=$(callgrind_annotate "$out.1" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", ""); print $1 }')
+  CARRIED=$(callgrind_annotate "$out.1" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", ""); print $1 }' || true)
+  [ -n "$CARRIED" ] || { echo "bench: no callgrind totals in $out.1" >&2; exit 1; }
+  # Gone before the next gateway starts, so the two never share the cores.
   kill "$pid" "$MOCK_PID" 2>/dev/null || true
+  wait "$pid" "$MOCK_PID" 2>/dev/null || true
 }
 
 echo "user-space instructions per streamed chunk ($(date -u +%Y-%m-%dT%H:%M:%SZ), $N streams opened at once, chunks 500 ms apart)"
 echo "| gateway | instructions, 20 chunks | instructions, 10 chunks | per chunk |"
 echo "|---|---|---|---|"
 for w in $WHICH; do
-  case $w in floor | sluice) ;; *) echo "bench: BENCH_WHICH takes floor and sluice" >&2; exit 2 ;; esac
   carried "$w" 20
   long=$CARRIED
   carried "$w" 10
