@@ -113,8 +113,10 @@ pub async fn until_set(rx: &mut watch::Receiver<bool>) {
 
 /// A stream's wait for [`Lifecycle::stop_streams`], raced by each of its reads (once per
 /// chunk). The first poll subscribes; after that the channel's wait is polled again only
-/// once the channel woke it, so a poll between chunks is an atomic swap, not a lock of
-/// the channel's waiter list. Resolves, like [`until_set`], when streams must stop.
+/// once the channel woke it, so a poll between chunks is a few atomic operations (the
+/// task's waker registered, the flag taken), not a lock of the channel's waiter list.
+/// One box and one `Arc` per body that waits at all. Resolves, like [`until_set`], when
+/// streams must stop.
 pub struct StopWait<'l> {
     life: &'l Lifecycle,
     wait: Option<(ChannelWait, Arc<Woken>)>,
