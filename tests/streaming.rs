@@ -181,6 +181,32 @@ fn client_disconnect_stops_the_upstream_stream() {
 }
 
 #[test]
+fn a_client_that_leaves_between_chunks_is_noticed_before_the_next_chunk() {
+    // The next chunk is 3 s away: a gateway that only learnt of the close by writing to
+    // the client would keep the upstream stream for those 3 s. The client watch sees
+    // the close while the stream waits for the upstream.
+    let mock = Mock::start(&["--chunks", "10", "--chunk-interval", "3s"]);
+    let gw = Gateway::start(&config(&mock.base_url(), ""), KEY);
+    let mut s = open_stream(
+        gw.client,
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        br#"{"model":"m","stream":true}"#,
+    );
+    assert_eq!(s.status, 200);
+    assert!(s.next_chunk(Duration::from_secs(5)).is_some());
+    drop(s);
+    let aborted = || mock.stats()["streams_aborted"] == 1;
+    assert!(
+        wait_until(Duration::from_millis(1500), aborted),
+        "upstream stream not aborted before the next chunk: {}",
+        mock.stats()
+    );
+    assert_eq!(mock.stats()["chunks_sent"], 1, "{}", mock.stats());
+}
+
+#[test]
 fn throughput_watchdog_ends_a_trickling_stream() {
     // ~10 text bytes every 400 ms is far below 200 B/s: aborted after warmup + window.
     let mock = Mock::start(&["--chunks", "40", "--chunk-interval", "400ms"]);
