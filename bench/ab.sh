@@ -2,7 +2,8 @@
 # A/B of two Sluice builds against one mock, in one run: the builds' gateways run side by
 # side and are loaded in alternation (A, B, A, B, …), so machine drift falls on both.
 # Prints requests/s and gateway CPU µs per request (utime+stime from /proc ÷ requests)
-# per round and the medians. Use it to show a change does not slow the hot path.
+# per round, their medians and the median of the rounds' B ÷ A. Use it to show a change
+# does not slow the hot path.
 #
 #   BENCH_BIN_A=/path/to/old/release BENCH_BIN_B=target/release \
 #     BENCH_ROUNDS=5 BENCH_DURATION=8s BENCH_CONNS=32 ./bench/ab.sh
@@ -48,5 +49,5 @@ for stream in 0 1; do
   done
   mra=$(fmt 2 "$(median "${ra[@]}")"); mrb=$(fmt 2 "$(median "${rb[@]}")")
   mca=$(fmt 1 "$(median "${ca[@]}")"); mcb=$(fmt 1 "$(median "${cb[@]}")")
-  echo "| $mode | $CONNS | $mra | $mrb | $(awk -v a="$mra" -v b="$mrb" 'BEGIN{printf "%.2f", b/a}') | $mca | $mcb |"
+  echo "| $mode | $CONNS | $mra | $mrb | $(fmt 2 "$(median_ratio "${ra[*]}" "${rb[*]}")") | $mca | $mcb |"
 done

@@ -104,6 +104,21 @@ median() {
     END { if (NR == 0) print "-"; else if (NR % 2) print v[(NR + 1) / 2]; else printf "%.6f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
 }
 
+# median_ratio "A1 A2 …" "B1 B2 …" -> the median of the rounds' ratios Bi ÷ Ai, rounds
+# paired by position ("-" when no round gives one): loaded one after the other, a round's
+# two sides share the machine's stretch, which a ratio of the two medians would mix up
+median_ratio() {
+  local -a a b r=()
+  read -r -a a <<<"$1"
+  read -r -a b <<<"$2"
+  local i
+  for i in "${!a[@]}"; do r+=("$(ratio "${b[$i]:--}" "${a[$i]}")"); done
+  median "${r[@]}"
+}
+
+# ratio A B -> A ÷ B to four places ("-" when either is "-" or B is 0)
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN{ if (a == "-" || b == "-" || b == 0) print "-"; else printf "%.4f", a/b }'; }
+
 # callgrind_wrap NAME BINARY OUT [VALGRIND_OPTION...] -> a directory holding NAME, which
 # runs BINARY under callgrind (results in OUT) with the instrumentation off until
 # `callgrind_control -i on PID` switches it on

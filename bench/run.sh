@@ -51,7 +51,6 @@ run_wrk() {
   echo "$rps $(to_ms "$p50") $(to_ms "$p99") $us"
 }
 
-ratio() { awk -v a="$1" -v b="$2" 'BEGIN{ if (a == "-" || b == "-" || b == 0) print "-"; else printf "%.4f", a/b }'; }
 
 STAMP=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 mkdir -p bench/out

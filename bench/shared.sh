@@ -5,8 +5,9 @@
 #   - uncapped: the hot path is local-first, no Redis round-trip per request;
 #   - capped (`max_concurrent`): every attempt takes a cluster-wide permit (one script
 #     call) and gives it back (one ZREM), the strongly consistent cost.
-# Prints requests/s and gateway CPU µs per request per round and the medians (Redis's
-# own CPU is shown apart: it is a separate process, often a separate machine).
+# Prints requests/s and gateway CPU µs per request per round, their medians and the
+# median of the rounds' redis ÷ redb (Redis's own CPU is shown apart: it is a separate
+# process, often a separate machine).
 #
 #   BENCH_ROUNDS=5 BENCH_DURATION=8s BENCH_CONNS=32 ./bench/shared.sh
 set -euo pipefail
@@ -55,6 +56,6 @@ for case in uncapped capped; do
   mra=$(fmt 2 "$(median "${ra[@]}")"); mrb=$(fmt 2 "$(median "${rb[@]}")")
   mca=$(fmt 1 "$(median "${ca[@]}")"); mcb=$(fmt 1 "$(median "${cb[@]}")")
   mcr=$(fmt 1 "$(median "${cr[@]}")")
-  echo "| $case | $CONNS | $mra | $mrb | $(awk -v a="$mra" -v b="$mrb" 'BEGIN{printf "%.2f", b/a}') | $mca | $mcb | $mcr |"
+  echo "| $case | $CONNS | $mra | $mrb | $(fmt 2 "$(median_ratio "${ra[*]}" "${rb[*]}")") | $mca | $mcb | $mcr |"
   kill "$PA" "$PB" 2>/dev/null || true
 done
