@@ -153,9 +153,10 @@ fn anthropic_stall_error_event_has_anthropic_shape() {
     assert_eq!(last.json()["error"]["code"], "stall");
 }
 
-#[test]
-fn client_disconnect_stops_the_upstream_stream() {
-    let mock = Mock::start(&["--chunks", "200", "--chunk-interval", "50ms"]);
+/// Opens a stream through a gateway on a mock started with `mock_args`, reads `chunks`
+/// chunks, then closes the connection; the mock and the gateway stay up for the checks.
+fn leave_after(mock_args: &[&str], chunks: usize) -> (Mock, Gateway) {
+    let mock = Mock::start(mock_args);
     let gw = Gateway::start(&config(&mock.base_url(), ""), KEY);
     let mut s = open_stream(
         gw.client,
@@ -165,13 +166,19 @@ fn client_disconnect_stops_the_upstream_stream() {
         br#"{"model":"m","stream":true}"#,
     );
     assert_eq!(s.status, 200);
-    assert!(s.next_chunk(Duration::from_secs(5)).is_some());
-    assert!(s.next_chunk(Duration::from_secs(5)).is_some());
-    drop(s);
+    for _ in 0..chunks {
+        assert!(s.next_chunk(Duration::from_secs(5)).is_some());
+    }
+    (mock, gw)
+}
+
+#[test]
+fn client_disconnect_stops_the_upstream_stream() {
+    let (mock, _gw) = leave_after(&["--chunks", "200", "--chunk-interval", "50ms"], 2);
     // 200 chunks at 50 ms would take 10 s; the upstream must see the cut well before.
+    let aborted = || mock.stats()["streams_aborted"] == 1;
     assert!(
-        wait_until(Duration::from_secs(3), || mock.stats()["streams_aborted"]
-            == 1),
+        wait_until(Duration::from_secs(3), aborted),
         "upstream stream not aborted: {}",
         mock.stats()
     );
@@ -185,18 +192,7 @@ fn a_client_that_leaves_between_chunks_is_noticed_before_the_next_chunk() {
     // The next chunk is 3 s away: a gateway that only learnt of the close by writing to
     // the client would keep the upstream stream for those 3 s. The client watch sees
     // the close while the stream waits for the upstream.
-    let mock = Mock::start(&["--chunks", "10", "--chunk-interval", "3s"]);
-    let gw = Gateway::start(&config(&mock.base_url(), ""), KEY);
-    let mut s = open_stream(
-        gw.client,
-        "POST",
-        "/v1/chat/completions",
-        &[],
-        br#"{"model":"m","stream":true}"#,
-    );
-    assert_eq!(s.status, 200);
-    assert!(s.next_chunk(Duration::from_secs(5)).is_some());
-    drop(s);
+    let (mock, _gw) = leave_after(&["--chunks", "10", "--chunk-interval", "3s"], 1);
     let aborted = || mock.stats()["streams_aborted"] == 1;
     assert!(
         wait_until(Duration::from_millis(1500), aborted),
