@@ -49,5 +49,5 @@ for stream in 0 1; do
   done
   mra=$(fmt 2 "$(median "${ra[@]}")"); mrb=$(fmt 2 "$(median "${rb[@]}")")
   mca=$(fmt 1 "$(median "${ca[@]}")"); mcb=$(fmt 1 "$(median "${cb[@]}")")
-  echo "| $mode | $CONNS | $mra | $mrb | $(fmt 2 "$(median_ratio "${ra[*]}" "${rb[*]}")") | $mca | $mcb |"
+  echo "| $mode | $CONNS | $mra | $mrb | $(fmt 2 "$(median_ratio ra rb)") | $mca | $mcb |"
 done

@@ -104,15 +104,14 @@ median() {
     END { if (NR == 0) print "-"; else if (NR % 2) print v[(NR + 1) / 2]; else printf "%.6f\n", (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
 }
 
-# median_ratio "A1 A2 …" "B1 B2 …" -> the median of the rounds' ratios Bi ÷ Ai, rounds
-# paired by position ("-" when no round gives one): loaded one after the other, a round's
-# two sides share the machine's stretch, which a ratio of the two medians would mix up
+# median_ratio A B -> the median of the rounds' ratios B[i] ÷ A[i] of the arrays named A
+# and B, rounds paired by index ("-" when no round gives one): loaded one after the other,
+# a round's two sides share the machine's stretch, which a ratio of the two medians
+# would mix up. An empty figure (a round wrk gave no rate for) gives no ratio.
 median_ratio() {
-  local -a a b r=()
-  read -r -a a <<<"$1"
-  read -r -a b <<<"$2"
-  local i
-  for i in "${!a[@]}"; do r+=("$(ratio "${b[$i]:--}" "${a[$i]}")"); done
+  local -n _mr_a=$1 _mr_b=$2
+  local i r=()
+  for i in "${!_mr_a[@]}"; do r+=("$(ratio "${_mr_b[$i]:--}" "${_mr_a[$i]:--}")"); done
   median "${r[@]}"
 }
 

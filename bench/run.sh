@@ -51,7 +51,6 @@ run_wrk() {
   echo "$rps $(to_ms "$p50") $(to_ms "$p99") $us"
 }
 
-
 STAMP=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 mkdir -p bench/out
 REPORT="bench/out/$(date -u +%Y%m%d-%H%M%S).md"

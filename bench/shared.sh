@@ -56,6 +56,6 @@ for case in uncapped capped; do
   mra=$(fmt 2 "$(median "${ra[@]}")"); mrb=$(fmt 2 "$(median "${rb[@]}")")
   mca=$(fmt 1 "$(median "${ca[@]}")"); mcb=$(fmt 1 "$(median "${cb[@]}")")
   mcr=$(fmt 1 "$(median "${cr[@]}")")
-  echo "| $case | $CONNS | $mra | $mrb | $(fmt 2 "$(median_ratio "${ra[*]}" "${rb[*]}")") | $mca | $mcb | $mcr |"
+  echo "| $case | $CONNS | $mra | $mrb | $(fmt 2 "$(median_ratio ra rb)") | $mca | $mcb | $mcr |"
   kill "$PA" "$PB" 2>/dev/null || true
 done
