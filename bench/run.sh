@@ -59,7 +59,12 @@ printf 'mode\tconns\tround\ttarget\trps\tp50_ms\tp99_ms\tcpu_us_per_req\n' >"$RO
 {
   echo "## $STAMP — $(uname -m), $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo)"
   echo
-  echo "Command: \`BENCH_DURATION=$DUR BENCH_CONNS=\"$CONNS\" BENCH_ROUNDS=$ROUNDS ./bench/run.sh\` (wrk $(wrk -v 2>&1 | awk 'NR==1{print $2}'), mock: 8 SSE chunks, no delay)"
+  # Every setting that picks what is measured, so the line reruns the same comparison.
+  extra=""
+  for v in FLOOR_BIN FLOOR_THREADS SLUICE_THREADS SLUICE_LOG SLUICE_SERVER_EXTRA SLUICE_CONN_EXTRA SLUICE_STATE; do
+    if [ -n "${!v:-}" ]; then extra="$extra $(printf '%s=%q' "$v" "${!v}")"; fi
+  done
+  echo "Command: \`BENCH_BIN=$BIN$extra BENCH_DURATION=$DUR BENCH_CONNS=\"$CONNS\" BENCH_ROUNDS=$ROUNDS ./bench/run.sh\` (checkout $(git describe --always --dirty 2>/dev/null || echo unknown), wrk $(wrk -v 2>&1 | awk 'NR==1{print $2}'), mock: 8 SSE chunks, no delay)"
   [ "$ROUNDS" -gt 1 ] && echo && echo "Each figure is the median of $ROUNDS rounds; each ratio the median of the rounds' ratios."
   echo
   echo "| mode | conns | direct rps | floor rps | sluice rps | nginx rps | sluice/nginx | sluice/floor | floor/nginx | p50/p99 ms direct | floor | sluice | nginx | sluice added p50/p99 ms | CPU µs/req floor | sluice | nginx | sluice CPU ÷ nginx |"
