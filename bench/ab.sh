@@ -17,8 +17,8 @@ B=${BENCH_BIN_B:-target/release}
 ROUNDS=${BENCH_ROUNDS:-5}
 DUR=${BENCH_DURATION:-8s}
 CONNS=${BENCH_CONNS:-32}
-command -v wrk >/dev/null || { echo "bench: wrk is required (apt-get install wrk)" >&2; exit 2; }
 BENCH_BIN=$B . bench/lib.sh
+require wrk
 rounds_or_exit BENCH_ROUNDS "$ROUNDS"
 # shellcheck disable=SC2086 # BENCH_MOCK holds several arguments
 start_mock ${BENCH_MOCK:---chunks 8 --chunk-interval 0ms}

@@ -18,13 +18,13 @@
 # build --release --example streams --example floor).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-command -v valgrind >/dev/null || { echo "bench: valgrind is required (apt-get install valgrind)" >&2; exit 2; }
 WHICH=${BENCH_WHICH:-"floor sluice"}
 N=${BENCH_STREAMS:-200}
 [[ "$N" =~ ^[1-9][0-9]{0,3}$ ]] || { echo "bench: BENCH_STREAMS must be a whole number from 1 to 9999" >&2; exit 2; }
 CLIENT=${BENCH_STREAMS_CLIENT:-target/release/examples/streams}
 [ -x "$CLIENT" ] || { echo "bench: build the client first (cargo build --release --example streams)" >&2; exit 2; }
 . bench/lib.sh
+require valgrind
 export BENCH_STREAM_SPREAD_MS=0
 for w in $WHICH; do
   case $w in floor | sluice) ;; *) echo "bench: BENCH_WHICH takes floor and sluice" >&2; exit 2 ;; esac

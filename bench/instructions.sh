@@ -21,14 +21,13 @@
 # Needs valgrind (apt-get install valgrind).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-command -v valgrind >/dev/null || { echo "bench: valgrind is required (apt-get install valgrind)" >&2; exit 2; }
-command -v wrk >/dev/null || { echo "bench: wrk is required (apt-get install wrk)" >&2; exit 2; }
 WHICH=${BENCH_WHICH:-"floor sluice"}
 STREAM=${BENCH_STREAM:-0}
 CONNS=${BENCH_CONNS:-4}
 SIM=""
 [ "${BENCH_CACHE:-0}" = 1 ] && SIM="--cache-sim=yes ${BENCH_LL:+--LL=$BENCH_LL}"
 . bench/lib.sh
+require valgrind wrk
 start_mock --chunks 8 --chunk-interval 0ms
 KEEP=${BENCH_KEEP:-$WORK/cg}
 

@@ -24,6 +24,15 @@ bench_cleanup() {
 }
 trap bench_cleanup EXIT INT TERM
 
+# require COMMAND... -> exits (status 2) naming the first COMMAND that is not installed
+# (each is also its Debian package's name)
+require() {
+  local c
+  for c in "$@"; do
+    command -v "$c" >/dev/null || { echo "bench: $c is required (apt-get install $c)" >&2; exit 2; }
+  done
+}
+
 # wait_listen FILE NAME -> prints the address from "LISTENING NAME addr"
 wait_listen() {
   for _ in $(seq 1 300); do
@@ -91,7 +100,7 @@ start_floor() {
 # start_side_by_side -> what the side-by-side scripts load in turn: the mock (8 SSE
 # chunks, no delay), Sluice, the floor and nginx (when installed)
 start_side_by_side() {
-  command -v wrk >/dev/null || { echo "bench: wrk is required (apt-get install wrk)" >&2; exit 2; }
+  require wrk
   start_mock --chunks 8 --chunk-interval 0ms
   start_sluice
   start_floor

@@ -16,9 +16,8 @@ ROUNDS=${BENCH_ROUNDS:-5}
 DUR=${BENCH_DURATION:-8s}
 CONNS=${BENCH_CONNS:-32}
 CAP=${BENCH_CAP:-64}
-command -v wrk >/dev/null || { echo "bench: wrk is required (apt-get install wrk)" >&2; exit 2; }
-command -v redis-server >/dev/null || { echo "bench: redis-server is required (apt-get install redis-server)" >&2; exit 2; }
 . bench/lib.sh
+require wrk redis-server
 rounds_or_exit BENCH_ROUNDS "$ROUNDS"
 start_mock --chunks 8 --chunk-interval 0ms
 RPORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')

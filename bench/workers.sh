@@ -11,8 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DUR=${BENCH_DURATION:-5s}
 CONNS=${BENCH_CONNS:-32}
-command -v wrk >/dev/null || { echo "bench: wrk is required (apt-get install wrk)" >&2; exit 2; }
 . bench/lib.sh
+require wrk
 start_mock --chunks 8 --chunk-interval 0ms
 
 # measure NAME ADDR PID -> one line: user and kernel µs per request
