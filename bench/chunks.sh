@@ -10,6 +10,7 @@
 #
 #   ./bench/chunks.sh                          # both, the build in target/release
 #   BENCH_WHICH=sluice BENCH_STREAMS=100 ./bench/chunks.sh
+#   BENCH_KEEP=/tmp/ch ./bench/chunks.sh       # keeps /tmp/ch-NAME-20.out, /tmp/ch-NAME-10.out
 #
 # The mock stamps each chunk (a comment line the streams client reads its send time from,
 # as in streams.sh): Sluice's stream guards read it like any other line.
@@ -62,6 +63,7 @@ carried() {
   sleep 1
   CARRIED=$(callgrind_annotate "$out.1" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", ""); print $1 }' || true)
   [ -n "$CARRIED" ] || { echo "bench: no callgrind totals in $out.1" >&2; exit 1; }
+  [ -z "${BENCH_KEEP:-}" ] || cp "$out.1" "$BENCH_KEEP-$name-$chunks.out"
   # Gone before the next gateway starts, so the two never share the cores.
   kill "$pid" "$MOCK_PID" 2>/dev/null || true
   wait "$pid" "$MOCK_PID" 2>/dev/null || true

@@ -10,6 +10,7 @@
 #
 #   ./bench/instructions.sh                  # both, the build in target/release
 #   BENCH_WHICH=sluice BENCH_KEEP=/tmp/cg ./bench/instructions.sh
+#   BENCH_HEADERS=sdk ./bench/instructions.sh   # sixteen request headers, as an SDK sends (post.lua)
 #
 # BENCH_KEEP keeps the callgrind files (PREFIX-sluice.out, PREFIX-floor.out) for
 # `callgrind_annotate --inclusive=yes FILE`. BENCH_CACHE=1 simulates the caches too and

@@ -6,10 +6,12 @@
 # over the whole run and over the steady state (once every stream is open). The mock
 # also stamps each chunk with the time it wrote it, so each chunk's delivery time (the
 # client's clock minus the stamp) is measured too: the added delivery p99 leaves out
-# the jitter of the mock's own timer, which the gaps carry twice. nginx, when
-# installed, holds the same streams as a plain-proxy reference.
+# the jitter of the mock's own timer, which the gaps carry twice. The bare pass-through
+# (bench/floor.rs) holds the same streams, to tell the delay any gateway on this code
+# adds from what Sluice's layers add; nginx, when installed, as a plain-proxy reference.
 # The client holding the streams is bench/streams.rs (`cargo build --release --example
-# streams`; `make bench` builds it), on tokio so that its own delay stays small.
+# streams`; `make bench` builds it and the floor), on tokio so that its own delay stays
+# small.
 #   BENCH_STREAMS="1000 8000" ./bench/streams.sh   (BENCH_BODY_KIB=64: agent-sized request bodies)
 #   BENCH_STREAM_ROUNDS=3 BENCH_STREAMS=1000 ./bench/streams.sh
 #   BENCH_STREAM_SPREAD_MS=500 BENCH_STREAMS=1000 ./bench/streams.sh
@@ -34,6 +36,7 @@ CLIENT=${BENCH_STREAMS_CLIENT:-target/release/examples/streams}
 rounds_or_exit BENCH_STREAM_ROUNDS "$ROUNDS"
 start_mock --chunks 20 --chunk-interval 500ms --stamp-chunks
 SLUICE_LOG=${SLUICE_LOG:-warn} start_sluice
+start_floor
 start_nginx 20000
 SPREAD=${BENCH_STREAM_SPREAD_MS:-0}
 # A stream lasts 20 chunks × 500 ms: spread wider, the first would end before the last opens.
@@ -58,7 +61,7 @@ for n in $COUNTS; do
     d=$("$CLIENT" "$MOCK" "$MOCK_PID" "$n" | tee -a /dev/stderr | awk '/^RESULT/')
     read -r _ _ ddone _ _ _ _ d99 d999 _ ds99 ds999 dd99 dd999 dds99 dds999 <<<"$d"
     rows+=("| $n | $round | direct | $ddone | - | - | - | $d99 / $d999 | - | $ds99 / $ds999 | - | $dd99 / $dd999 | - | $dds99 / $dds999 | - |")
-    paths=("Sluice $SLUICE $SLUICE_PID")
+    paths=("Sluice $SLUICE $SLUICE_PID" "floor $FLOOR $FLOOR_PID")
     [ -n "$NGINX" ] && paths+=("nginx $NGINX $(IFS=,; echo "${NGINX_PIDS[*]}")")
     for p in "${paths[@]}"; do
       read -r name addr pids <<<"$p"
