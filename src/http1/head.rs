@@ -187,7 +187,7 @@ impl Head {
 
     /// Whether the name at `n` is `name` (any case), lengths compared first.
     fn is(&self, n: Span, name: &[u8]) -> bool {
-        n.len() == name.len() && self.span(n).eq_ignore_ascii_case(name)
+        n.len() == name.len() && super::names::eq_ignore_case(self.span(n), name)
     }
 }
 

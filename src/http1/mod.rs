@@ -19,6 +19,7 @@
 
 pub mod body;
 pub mod head;
+pub mod names;
 pub mod wire;
 
 pub use body::{BodyError, BodyReader, Piece};

@@ -10,12 +10,13 @@
 //! straight into the outgoing bytes; nothing is parsed into a map on the way.
 
 use crate::config::{Connection, Family, Provider, ProviderClass};
+use crate::http1::names::NameSet;
 use crate::http1::{wire, BodyLen, RequestHead, ResponseHead};
 use crate::policy::subscription;
 use crate::server::conn::{BodySize, HeadOut};
 
-/// Request headers never forwarded upstream (lower-case).
-const STRIP_REQUEST: &[&str] = &[
+/// Request headers never forwarded upstream.
+const STRIP_REQUEST: NameSet<19> = NameSet::new([
     "authorization",
     "x-api-key",
     "host",
@@ -35,11 +36,11 @@ const STRIP_REQUEST: &[&str] = &[
     "x-sluice-session",
     "x-sluice-lease-owner",
     "x-sluice-lease-generation",
-];
+]);
 
-/// Response headers never forwarded to the client (lower-case): hop-by-hop ones, and
-/// the framing, which the client connection sets for itself.
-const STRIP_RESPONSE: &[&str] = &[
+/// Response headers never forwarded to the client: hop-by-hop ones, and the framing,
+/// which the client connection sets for itself.
+const STRIP_RESPONSE: NameSet<9> = NameSet::new([
     "connection",
     "keep-alive",
     "proxy-connection",
@@ -49,7 +50,7 @@ const STRIP_RESPONSE: &[&str] = &[
     "te",
     "trailer",
     "upgrade",
-];
+]);
 
 pub const ANTHROPIC_VERSION: &str = "2023-06-01";
 
@@ -90,7 +91,7 @@ pub fn write_request_head<'f>(
     out.extend_from_slice(b" HTTP/1.1\r\n");
     wire::field(out, b"Host", h.authority.as_bytes());
     for (name, value) in client {
-        if !named(name, STRIP_REQUEST) && !named(name, replaced) {
+        if !STRIP_REQUEST.contains(name) && !named(name, replaced) {
             wire::field(out, name, value);
         }
     }
@@ -170,7 +171,7 @@ pub fn forward_fields<'f>(
     strip: &[&str],
 ) {
     for (name, value) in fields {
-        if !named(name, STRIP_RESPONSE) && !named(name, strip) {
+        if !STRIP_RESPONSE.contains(name) && !named(name, strip) {
             h.field(name, value);
         }
     }
