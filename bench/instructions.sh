@@ -57,7 +57,7 @@ count() {
       printf "\n" }'
 }
 
-echo "user-space instructions per request ($(date -u +%Y-%m-%dT%H:%M:%SZ), mode $([ "$STREAM" = 1 ] && echo stream || echo json), $CONNS connections)"
+echo "user-space instructions per request ($(date -u +%Y-%m-%dT%H:%M:%SZ), mode $([ "$STREAM" = 1 ] && echo stream || echo json), $CONNS connections, $([ -n "${BENCH_HEADERS:-}" ] && echo "BENCH_HEADERS=$BENCH_HEADERS" || echo "3 request headers"))"
 if [ -n "$SIM" ]; then
   echo "| gateway | requests | instructions | per request | I1 misses per request | D1 misses per request | LL data misses per request |"
   echo "|---|---|---|---|---|---|---|"

@@ -7,6 +7,11 @@
 export no_proxy=127.0.0.1,localhost NO_PROXY=127.0.0.1,localhost
 BIN=${BENCH_BIN:-target/release}
 [ -x "$BIN/sluice" ] && [ -x "$BIN/sluice-mock" ] || { echo "bench: build first (make build)" >&2; exit 2; }
+# The request's header set (post.lua): the bench's three, or an SDK client's sixteen.
+case ${BENCH_HEADERS:-} in
+  "" | sdk) ;;
+  *) echo "bench: BENCH_HEADERS takes sdk (or nothing, for the bench's three headers)" >&2; exit 2 ;;
+esac
 WORK=$(mktemp -d /tmp/sluice-bench.XXXXXX)
 PIDS=()
 # Stops what the bench started and removes its directory once they have exited (up to

@@ -31,8 +31,9 @@ cd "$(dirname "$0")/.."
 COUNTS=${BENCH_STREAMS:-"1000 8000"}
 ROUNDS=${BENCH_STREAM_ROUNDS:-1}
 CLIENT=${BENCH_STREAMS_CLIENT:-target/release/examples/streams}
-[ -x "$CLIENT" ] || { echo "bench: build the client first (cargo build --release --example streams)" >&2; exit 2; }
+[ -x "$CLIENT" ] || { echo "bench: build the client first (cargo build --release --example streams --example floor)" >&2; exit 2; }
 . bench/lib.sh
+[ -x "${FLOOR_BIN:-$BIN/examples/floor}" ] || { echo "bench: build the floor first (cargo build --release --example streams --example floor)" >&2; exit 2; }
 rounds_or_exit BENCH_STREAM_ROUNDS "$ROUNDS"
 start_mock --chunks 20 --chunk-interval 500ms --stamp-chunks
 SLUICE_LOG=${SLUICE_LOG:-warn} start_sluice
