@@ -6,20 +6,26 @@
 -- config names no clients: one that did would answer each of these requests 401.
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
+-- The SDK's fields, as they go on the wire.
+local SDK = [[
+Accept: application/json
+User-Agent: OpenAI/Python 1.99.9
+Authorization: Bearer client-token-1
+Accept-Encoding: gzip, deflate
+Connection: keep-alive
+X-Stainless-Lang: python
+X-Stainless-Package-Version: 1.99.9
+X-Stainless-OS: Linux
+X-Stainless-Arch: x64
+X-Stainless-Runtime: CPython
+X-Stainless-Runtime-Version: 3.12.3
+X-Stainless-Retry-Count: 0
+X-Stainless-Read-Timeout: 600
+]]
 if os.getenv("BENCH_HEADERS") == "sdk" then
-  wrk.headers["Accept"] = "application/json"
-  wrk.headers["User-Agent"] = "OpenAI/Python 1.99.9"
-  wrk.headers["Authorization"] = "Bearer client-token-1"
-  wrk.headers["Accept-Encoding"] = "gzip, deflate"
-  wrk.headers["Connection"] = "keep-alive"
-  wrk.headers["X-Stainless-Lang"] = "python"
-  wrk.headers["X-Stainless-Package-Version"] = "1.99.9"
-  wrk.headers["X-Stainless-OS"] = "Linux"
-  wrk.headers["X-Stainless-Arch"] = "x64"
-  wrk.headers["X-Stainless-Runtime"] = "CPython"
-  wrk.headers["X-Stainless-Runtime-Version"] = "3.12.3"
-  wrk.headers["X-Stainless-Retry-Count"] = "0"
-  wrk.headers["X-Stainless-Read-Timeout"] = "600"
+  for name, value in SDK:gmatch("([^:\n]+): ([^\n]+)") do
+    wrk.headers[name] = value
+  end
 end
 local stream = os.getenv("BENCH_STREAM") == "1"
 wrk.body = '{"model":"bench","stream":' .. (stream and "true" or "false") ..
