@@ -63,6 +63,12 @@ pub fn digits(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
     &buf[at..]
 }
 
+/// The last two decimal digits of `n` ("07" for 7, "42" for 1942).
+pub fn two_digits(n: u64) -> [u8; 2] {
+    let at = (n % 100) as usize * 2;
+    [PAIRS[at], PAIRS[at + 1]]
+}
+
 /// "00" to "99", the two digits of each number below 100.
 const PAIRS: [u8; 200] = {
     let mut t = [0u8; 200];
@@ -107,6 +113,14 @@ impl ChunkLine {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn two_digits_are_the_last_two() {
+        for n in (0..=1_000).chain([u64::MAX - 1, u64::MAX]) {
+            let want = format!("{:02}", n % 100);
+            assert_eq!(two_digits(n), want.as_bytes(), "{n}");
+        }
+    }
 
     #[test]
     fn lines_fields_and_numbers() {
