@@ -47,15 +47,13 @@ pub fn decimal(out: &mut Vec<u8>, n: u64) {
 pub fn digits(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
     let mut at = buf.len();
     while n >= 100 {
-        let r = (n % 100) as usize * 2;
-        n /= 100;
         at -= 2;
-        buf[at..at + 2].copy_from_slice(&PAIRS[r..r + 2]);
+        buf[at..at + 2].copy_from_slice(&two_digits(n));
+        n /= 100;
     }
     if n >= 10 {
-        let r = n as usize * 2;
         at -= 2;
-        buf[at..at + 2].copy_from_slice(&PAIRS[r..r + 2]);
+        buf[at..at + 2].copy_from_slice(&two_digits(n));
     } else {
         at -= 1;
         buf[at] = b'0' + n as u8;

@@ -10,7 +10,7 @@
 //! straight into the outgoing bytes; nothing is parsed into a map on the way.
 
 use crate::config::{Connection, Family, Provider, ProviderClass};
-use crate::http1::names::NameSet;
+use crate::http1::names::{eq_ignore_case, NameSet};
 use crate::http1::{wire, BodyLen, RequestHead, ResponseHead};
 use crate::policy::subscription;
 use crate::server::conn::{BodySize, HeadOut};
@@ -55,7 +55,7 @@ const STRIP_RESPONSE: NameSet<9> = NameSet::new([
 pub const ANTHROPIC_VERSION: &str = "2023-06-01";
 
 fn named(name: &[u8], list: &[&str]) -> bool {
-    list.iter().any(|s| name.eq_ignore_ascii_case(s.as_bytes()))
+    list.iter().any(|s| eq_ignore_case(name, s.as_bytes()))
 }
 
 /// The parts of an upstream request head.
