@@ -11,6 +11,7 @@
 #   ./bench/instructions.sh                  # both, the build in target/release
 #   BENCH_WHICH=sluice BENCH_KEEP=/tmp/cg ./bench/instructions.sh
 #   BENCH_HEADERS=sdk ./bench/instructions.sh   # sixteen request headers, as an SDK sends (post.lua)
+#   BENCH_BODY_KB=64 ./bench/instructions.sh    # a coding agent's 64 KiB body (post.lua)
 #
 # BENCH_KEEP keeps the callgrind files (PREFIX-sluice.out, PREFIX-floor.out) for
 # `callgrind_annotate --inclusive=yes FILE`. BENCH_CACHE=1 simulates the caches too and
@@ -57,7 +58,7 @@ count() {
       printf "\n" }'
 }
 
-echo "user-space instructions per request ($(date -u +%Y-%m-%dT%H:%M:%SZ), mode $([ "$STREAM" = 1 ] && echo stream || echo json), $CONNS connections, $([ -n "${BENCH_HEADERS:-}" ] && echo "BENCH_HEADERS=$BENCH_HEADERS" || echo "3 request headers"))"
+echo "user-space instructions per request ($(date -u +%Y-%m-%dT%H:%M:%SZ), mode $([ "$STREAM" = 1 ] && echo stream || echo json), $CONNS connections, $([ -n "${BENCH_HEADERS:-}" ] && echo "BENCH_HEADERS=$BENCH_HEADERS" || echo "3 request headers"), $([ -n "${BENCH_BODY_KB:-}" ] && echo "BENCH_BODY_KB=$BENCH_BODY_KB" || echo "the small body"))"
 if [ -n "$SIM" ]; then
   echo "| gateway | requests | instructions | per request | I1 misses per request | D1 misses per request | LL data misses per request |"
   echo "|---|---|---|---|---|---|---|"

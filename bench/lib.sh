@@ -12,6 +12,12 @@ case ${BENCH_HEADERS:-} in
   "" | sdk) ;;
   *) echo "bench: BENCH_HEADERS takes sdk (or nothing, for the bench's three headers)" >&2; exit 2 ;;
 esac
+# The request's body (post.lua): the bench's small one (98 bytes), or a coding agent's of
+# at least N KiB.
+case ${BENCH_BODY_KB:-} in
+  "" | [1-9] | [1-9][0-9] | [1-9][0-9][0-9]) ;;
+  *) echo "bench: BENCH_BODY_KB takes a whole number of KiB from 1 to 999 (or nothing, for the bench's small body)" >&2; exit 2 ;;
+esac
 WORK=$(mktemp -d /tmp/sluice-bench.XXXXXX)
 PIDS=()
 # Stops what the bench started and removes its directory once they have exited (up to
@@ -159,8 +165,9 @@ TICKS=$(getconf CLK_TCK)
 cpu_ticks() { local t=0 p; for p in "$@"; do t=$(( t + $(awk '{print $14 + $15}' "/proc/$p/stat") )); done; echo "$t"; }
 
 # start_nginx WORKER_CONNECTIONS -> when nginx is installed, a plain proxy to the mock
-# (2 workers, upstream keepalive 256, buffering off): sets NGINX (address) and
-# NGINX_PIDS (master and workers); NGINX stays empty without nginx.
+# (2 workers, upstream keepalive 256, response buffering off, request bodies in memory):
+# sets NGINX (address) and NGINX_PIDS (master and workers); NGINX stays empty without
+# nginx.
 NGINX=""
 NGINX_PIDS=()
 start_nginx() {
@@ -176,6 +183,9 @@ error_log $WORK/nginx/error.log warn;
 events { worker_connections $1; }
 http {
   access_log off;
+  # A request body is held in memory as Sluice holds it (BENCH_BODY_KB's bodies pass
+  # nginx's default buffer, two pages here, above which a worker writes it to a file).
+  client_body_buffer_size 1m;
   client_body_temp_path $WORK/nginx; proxy_temp_path $WORK/nginx;
   fastcgi_temp_path $WORK/nginx; uwsgi_temp_path $WORK/nginx; scgi_temp_path $WORK/nginx;
   upstream mock { server $MOCK; keepalive 256; }

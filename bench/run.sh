@@ -61,7 +61,7 @@ printf 'mode\tconns\tround\ttarget\trps\tp50_ms\tp99_ms\tcpu_us_per_req\n' >"$RO
   echo
   # Every setting that picks what is measured, so the line reruns the same comparison.
   extra=""
-  for v in BENCH_HEADERS FLOOR_BIN FLOOR_THREADS SLUICE_THREADS SLUICE_LOG SLUICE_SERVER_EXTRA SLUICE_CONN_EXTRA SLUICE_STATE; do
+  for v in BENCH_HEADERS BENCH_BODY_KB FLOOR_BIN FLOOR_THREADS SLUICE_THREADS SLUICE_LOG SLUICE_SERVER_EXTRA SLUICE_CONN_EXTRA SLUICE_STATE; do
     if [ -n "${!v:-}" ]; then extra="$extra $(printf '%s=%q' "$v" "${!v}")"; fi
   done
   echo "Command: \`BENCH_BIN=$BIN$extra BENCH_DURATION=$DUR BENCH_CONNS=\"$CONNS\" BENCH_ROUNDS=$ROUNDS ./bench/run.sh\` (checkout $(git describe --always --dirty 2>/dev/null || echo unknown), wrk $(wrk -v 2>&1 | awk 'NR==1{print $2}'), mock: 8 SSE chunks, no delay)"
