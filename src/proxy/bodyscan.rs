@@ -216,7 +216,7 @@ impl Scanner<'_> {
 
     /// A string: escapes as JSON has them, no control bytes. One loop from stop to stop
     /// (a quote, a backslash or a control byte): a file quoted in a body stops at every
-    /// line's `\n`, every ~10 bytes.
+    /// line's `\n`, every ~11 bytes in the bench's agent body.
     fn string(&mut self) -> Option<()> {
         self.eat(b'"')?;
         let b = self.b;
