@@ -15,6 +15,7 @@ use pingora::prelude::HttpPeer;
 use pingora::server::configuration::ServerConf;
 use pingora::server::Server;
 use sluice::config::types;
+use sluice::proxy::body::Outgoing;
 use sluice::proxy::pool::{Dest, Upstreams};
 use sluice::proxy::upstream::{body_size, response_head, write_request_head, OutHead};
 use sluice::server::conn::{ClientConn, Incoming};
@@ -67,7 +68,7 @@ impl Floor {
         };
         let mut wire = Vec::with_capacity(head.wire_len() + 64);
         write_request_head(&mut wire, &out, head.fields(), &[], &[]);
-        if up.send(wire, body).await.is_err() {
+        if up.send(wire, &Outgoing::whole(&body)).await.is_err() {
             return false;
         }
         let Ok(answer) = up.read_head(MAX_HEAD).await else {

@@ -1032,7 +1032,12 @@ mod body {
     /// model and the same `stream`; its size is bounded by the input plus the quoted
     /// new name; and, when the input is plain JSON, nothing but `model` changed.
     fn check_rewrite(parsed: &ParsedBody, new: &str) -> Result<Bytes, TestCaseError> {
-        let out = parsed.with_model(new);
+        let outgoing = parsed.with_model(new);
+        let out = outgoing.to_bytes();
+        // What an HTTP/1.1 send writes (the pieces) is the same body, of the length its
+        // head announces.
+        prop_assert_eq!(outgoing.pieces().concat(), out.to_vec());
+        prop_assert_eq!(outgoing.len(), out.len());
         let quoted = serde_json::to_string(new).unwrap();
         prop_assert!(out.len() <= parsed.raw.len() + quoted.len());
         if new == parsed.model {
@@ -1104,7 +1109,8 @@ mod body {
                 // The splice is exact: putting the old name back restores every byte.
                 let quoted = |m: &str| serde_json::to_string(m).unwrap().len();
                 prop_assert_eq!(out.len(), raw.len() - quoted(&s.model) + quoted(&new));
-                let back = ParsedBody::parse(out).unwrap().with_model(&s.model);
+                let back = ParsedBody::parse(out).unwrap();
+                let back = back.with_model(&s.model).to_bytes();
                 prop_assert_eq!(back.as_ref(), raw.as_bytes());
             }
         }
@@ -1152,7 +1158,7 @@ mod body {
                 "]".repeat(depth)
             );
             let b = ParsedBody::parse(Bytes::from(deep.clone())).unwrap();
-            let out = b.with_model("gpt");
+            let out = b.with_model("gpt").to_bytes();
             assert_eq!(out.len(), deep.len() + 2);
             assert!(out.ends_with(br#","model":"gpt"}"#));
             // The model itself nested deeply is refused, not a crash.

@@ -313,7 +313,7 @@ async fn send(
         call.slow,
     );
     let exchange = async {
-        up.send(head, body).await?;
+        up.send(head, &body).await?;
         up.read_head(MAX_UPSTREAM_HEADER_BYTES).await
     };
     let head = match watch.race(conn, first_byte_by, pin!(exchange)).await {

@@ -5,10 +5,13 @@
 //! `model` string located by a small scanner. Each
 //! attempt's body is the original bytes with only that span replaced, so everything else
 //! (key order, whitespace, numbers, unicode escapes) reaches the upstream byte for byte:
-//! upstream prompt caches and signatures see exactly what the client sent.
+//! upstream prompt caches and signatures see exactly what the client sent. The splice is
+//! kept as pieces ([`Outgoing`]) that the send writes where they lie: an attempt does not
+//! copy the client's body, however large, into one of its own.
 
 use bytes::{Bytes, BytesMut};
 use serde::Deserialize;
+use std::borrow::Cow;
 
 /// What admission needs from the body.
 #[derive(Debug, Clone)]
@@ -87,27 +90,77 @@ impl ParsedBody {
         self.model_span = (0, 0);
     }
 
-    /// The body with `model` replaced by `upstream_model` (JSON-escaped).
-    pub fn with_model(&self, upstream_model: &str) -> Bytes {
+    /// The body with `model` replaced by `upstream_model` (JSON-escaped), in pieces:
+    /// nothing is copied until the send does.
+    pub fn with_model<'a>(&'a self, upstream_model: &'a str) -> Outgoing<'a> {
         debug_assert!(!self.raw.is_empty(), "a released body is never sent again");
         if upstream_model == self.model {
+            return Outgoing::whole(&self.raw);
+        }
+        // A name with nothing to escape (the usual one) goes as it is.
+        let value = if super::bodyscan::plain(upstream_model.as_bytes()) {
+            Cow::Borrowed(upstream_model.as_bytes())
+        } else {
+            let quoted = serde_json::to_string(upstream_model).unwrap_or_else(|_| "\"\"".into());
+            Cow::Owned(quoted.as_bytes()[1..quoted.len() - 1].to_vec())
+        };
+        // The value between the quotes the client's body already has.
+        let (a, b) = self.model_span;
+        Outgoing {
+            raw: &self.raw,
+            span: (a + 1, b - 1),
+            value: Some(value),
+        }
+    }
+}
+
+/// A request body as it goes upstream: `raw` with the bytes in `span` replaced by
+/// `value` (`None`: `raw` as it is). An HTTP/1.1 send writes its three pieces behind
+/// the head (copied into the head's buffer when small, else one vectored write), so an
+/// attempt never copies the client's body into a body of its own; HTTP/2 takes it as
+/// one buffer ([`Outgoing::to_bytes`]).
+pub struct Outgoing<'a> {
+    raw: &'a Bytes,
+    span: (usize, usize),
+    value: Option<Cow<'a, [u8]>>,
+}
+
+impl<'a> Outgoing<'a> {
+    /// `raw` unchanged.
+    pub fn whole(raw: &'a Bytes) -> Self {
+        Outgoing {
+            raw,
+            span: (raw.len(), raw.len()),
+            value: None,
+        }
+    }
+
+    /// Length on the wire.
+    pub fn len(&self) -> usize {
+        let value = self.value.as_ref().map_or(0, |v| v.len());
+        self.raw.len() - (self.span.1 - self.span.0) + value
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes before the replaced span, the new value, and the bytes after it.
+    pub fn pieces(&self) -> [&[u8]; 3] {
+        let (a, b) = self.span;
+        let value = self.value.as_deref().unwrap_or_default();
+        [&self.raw[..a], value, &self.raw[b..]]
+    }
+
+    /// The body as one buffer: the client's own when nothing is replaced.
+    pub fn to_bytes(&self) -> Bytes {
+        if self.value.is_none() {
             return self.raw.clone();
         }
-        // A name with nothing to escape (the usual one) is quoted as it is.
-        let escaped;
-        let quoted: &[u8] = if super::bodyscan::plain(upstream_model.as_bytes()) {
-            upstream_model.as_bytes()
-        } else {
-            escaped = serde_json::to_string(upstream_model).unwrap_or_else(|_| "\"\"".into());
-            &escaped.as_bytes()[1..escaped.len() - 1]
-        };
-        let (a, b) = self.model_span;
-        let mut out = BytesMut::with_capacity(self.raw.len() + quoted.len() + 2);
-        out.extend_from_slice(&self.raw[..a]);
-        out.extend_from_slice(b"\"");
-        out.extend_from_slice(quoted);
-        out.extend_from_slice(b"\"");
-        out.extend_from_slice(&self.raw[b..]);
+        let mut out = BytesMut::with_capacity(self.len());
+        for piece in self.pieces() {
+            out.extend_from_slice(piece);
+        }
         out.freeze()
     }
 }
@@ -233,12 +286,12 @@ mod tests {
         let b = parse(src).unwrap();
         assert_eq!(b.model, "smart");
         assert!(!b.stream);
-        let out = b.with_model("gpt-4o");
+        let out = b.with_model("gpt-4o").to_bytes();
         assert_eq!(
             std::str::from_utf8(&out).unwrap(),
             src.replace(r#""model" : "smart""#, r#""model" : "gpt-4o""#)
         );
-        let esc = b.with_model("a\"b");
+        let esc = b.with_model("a\"b").to_bytes();
         let v: serde_json::Value = serde_json::from_slice(&esc).unwrap();
         assert_eq!(v["model"], "a\"b");
         assert_eq!(v["z"]["model"], "inner");
@@ -248,7 +301,7 @@ mod tests {
     fn escaped_key_is_found() {
         let b = parse(r#"{"stream":true,"mod\u0065l":"m"}"#).unwrap();
         assert!(b.stream);
-        let v: serde_json::Value = serde_json::from_slice(&b.with_model("u")).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&b.with_model("u").to_bytes()).unwrap();
         assert_eq!(v["model"], "u");
     }
 

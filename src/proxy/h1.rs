@@ -55,17 +55,21 @@ impl H1 {
         }
     }
 
-    /// Writes one request: `head` (its wire form, blank line included) and `body`.
-    pub async fn send(&mut self, mut head: Vec<u8>, body: &[u8]) -> pingora::Result<()> {
+    /// Writes one request: `head` (its wire form, blank line included) and its body,
+    /// given as the pieces it is made of (`proxy::body::Outgoing::pieces`).
+    pub async fn send(&mut self, mut head: Vec<u8>, body: [&[u8]; 3]) -> pingora::Result<()> {
         self.answered = 0;
         self.keep_alive = false;
         self.body = BodyReader::new(BodyLen::Empty);
-        let written = if body.len() <= COPY_BODY {
-            head.extend_from_slice(body);
+        let written = if body.iter().map(|p| p.len()).sum::<usize>() <= COPY_BODY {
+            for piece in body {
+                head.extend_from_slice(piece);
+            }
             self.io.write_all(&head).await
         } else {
-            let mut both = Buf::chain(&head[..], body);
-            self.io.write_all_buf(&mut both).await
+            let [a, b, c] = body;
+            let mut all = Buf::chain(&head[..], a).chain(b).chain(c);
+            self.io.write_all_buf(&mut all).await
         };
         let flushed = match written {
             Ok(()) => self.io.flush().await,
@@ -224,7 +228,7 @@ mod tests {
     /// A connection on which a bodiless `POST /` was sent and read by the upstream.
     async fn sent() -> (H1, tokio::net::TcpStream) {
         let (mut up, mut server) = pair().await;
-        up.send(b"POST / HTTP/1.1\r\n\r\n".to_vec(), b"")
+        up.send(b"POST / HTTP/1.1\r\n\r\n".to_vec(), [b"", b"", b""])
             .await
             .unwrap();
         read_all_available(&mut server, 19).await;
@@ -244,7 +248,7 @@ mod tests {
     async fn an_exchange_skips_1xx_reads_a_chunked_body_and_keeps_the_connection() {
         let (mut up, mut server) = pair().await;
         let head = b"POST /v1/x HTTP/1.1\r\nHost: u\r\nContent-Length: 4\r\n\r\n".to_vec();
-        up.send(head.clone(), b"body").await.unwrap();
+        up.send(head.clone(), [b"bo", b"", b"dy"]).await.unwrap();
         let got = read_all_available(&mut server, head.len() + 4).await;
         assert_eq!(&got[head.len()..], b"body");
         server
@@ -325,18 +329,24 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_large_body_follows_its_head_in_order() {
-        let (mut up, mut server) = pair().await;
-        let body: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
-        let head =
-            format!("POST / HTTP/1.1\r\nContent-Length: {}\r\n\r\n", body.len()).into_bytes();
-        let n = head.len() + body.len();
-        let (sent, got) = tokio::join!(
-            up.send(head.clone(), &body),
-            read_all_available(&mut server, n)
-        );
-        sent.unwrap();
-        assert_eq!(&got[..head.len()], &head[..]);
-        assert_eq!(&got[head.len()..], &body[..]);
+    async fn a_body_in_pieces_follows_its_head_in_order_whatever_its_size() {
+        // Below and above COPY_BODY: copied behind the head, or one vectored write.
+        for size in [1_000, 100_000u32] {
+            let (mut up, mut server) = pair().await;
+            let body: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+            let third = body.len() / 3;
+            let pieces = [&body[..third], &b"\"upstream-model\""[..], &body[third..]];
+            let whole = pieces.concat();
+            let head =
+                format!("POST / HTTP/1.1\r\nContent-Length: {}\r\n\r\n", whole.len()).into_bytes();
+            let n = head.len() + whole.len();
+            let (sent, got) = tokio::join!(
+                up.send(head.clone(), pieces),
+                read_all_available(&mut server, n)
+            );
+            sent.unwrap();
+            assert_eq!(&got[..head.len()], &head[..], "{size}");
+            assert_eq!(&got[head.len()..], &whole[..], "{size}");
+        }
     }
 }

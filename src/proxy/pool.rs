@@ -378,7 +378,7 @@ mod tests {
         );
         assert!(pool.take(7, now).is_none());
         // It is the open one: bytes written on it arrive.
-        got.send(b"hi".to_vec(), b"").await.unwrap();
+        got.send(b"hi".to_vec(), [b"", b"", b""]).await.unwrap();
         let mut b = [0u8; 2];
         s3.read_exact(&mut b).await.unwrap();
         assert_eq!(&b, b"hi");
@@ -485,7 +485,9 @@ mod tests {
             let sent = sealed.sent.clone();
             let mut up = H1::new(Box::new(sealed));
             let body = vec![b'b'; size];
-            up.send(b"head".to_vec(), &body).await.unwrap();
+            up.send(b"head".to_vec(), [&body[..1], b"", &body[1..]])
+                .await
+                .unwrap();
             let sent = lock(&sent).clone();
             assert_eq!(
                 sent.len(),

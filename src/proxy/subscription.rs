@@ -352,7 +352,8 @@ impl OAuth<'_, '_, '_> {
                 .fresh(std::borrow::Cow::Borrowed(&peer))
                 .await
                 .map_err(|e| e.to_string())?;
-            up.send(head, body.unwrap_or_default())
+            let body = body.unwrap_or_default();
+            up.send(head, &super::body::Outgoing::whole(&body))
                 .await
                 .map_err(|e| e.to_string())?;
             let status = up

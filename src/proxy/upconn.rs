@@ -8,6 +8,7 @@
 //! its framing says so, and an HTTP/2 session goes back to Pingora's pool only through
 //! `Upstreams::release`.
 
+use super::body::Outgoing;
 use super::h1::H1;
 use crate::http1::ResponseHead;
 use bytes::Bytes;
@@ -25,14 +26,14 @@ pub enum UpConn {
 
 impl UpConn {
     /// Writes the request: `head` in HTTP/1 wire form, then `body`.
-    pub async fn send(&mut self, head: Vec<u8>, body: Bytes) -> pingora::Result<()> {
+    pub async fn send(&mut self, head: Vec<u8>, body: &Outgoing<'_>) -> pingora::Result<()> {
         match self {
-            UpConn::H1(h1) => h1.send(head, &body).await,
+            UpConn::H1(h1) => h1.send(head, body.pieces()).await,
             UpConn::H2(h2) => {
                 let req = pingora_request(&head)?;
                 h2.write_request_header(Box::new(req)).await?;
                 if !body.is_empty() {
-                    h2.write_request_body(body, true).await?;
+                    h2.write_request_body(body.to_bytes(), true).await?;
                 }
                 h2.finish_request_body().await
             }
