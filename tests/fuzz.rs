@@ -1034,9 +1034,7 @@ mod body {
     fn check_rewrite(parsed: &ParsedBody, new: &str) -> Result<Bytes, TestCaseError> {
         let outgoing = parsed.with_model(new);
         let out = outgoing.to_bytes();
-        // What an HTTP/1.1 send writes (the pieces) is the same body, of the length its
-        // head announces.
-        prop_assert_eq!(outgoing.pieces().concat(), out.to_vec());
+        // The length the head announces is the body's.
         prop_assert_eq!(outgoing.len(), out.len());
         let quoted = serde_json::to_string(new).unwrap();
         prop_assert!(out.len() <= parsed.raw.len() + quoted.len());

@@ -91,10 +91,11 @@ impl ParsedBody {
     }
 
     /// The body with `model` replaced by `upstream_model` (JSON-escaped), in pieces:
-    /// nothing is copied until the send does.
+    /// the client's bytes are not copied until the send does.
     pub fn with_model<'a>(&'a self, upstream_model: &'a str) -> Outgoing<'a> {
         debug_assert!(!self.raw.is_empty(), "a released body is never sent again");
-        if upstream_model == self.model {
+        // A released body has no span left to replace: it goes as it is (empty).
+        if upstream_model == self.model || self.raw.is_empty() {
             return Outgoing::whole(&self.raw);
         }
         // A name with nothing to escape (the usual one) goes as it is.
@@ -287,6 +288,8 @@ mod tests {
         assert_eq!(b.model, "smart");
         assert!(!b.stream);
         let out = b.with_model("gpt-4o").to_bytes();
+        assert_eq!(b.with_model("gpt-4o").len(), out.len());
+        assert_eq!(b.with_model("smart").to_bytes(), b.raw);
         assert_eq!(
             std::str::from_utf8(&out).unwrap(),
             src.replace(r#""model" : "smart""#, r#""model" : "gpt-4o""#)
